@@ -1,0 +1,178 @@
+"""Wire messages of the push protocol (design.md §3) and their strict codec.
+
+Owns: the message structs, the frame format and the limits. Pure: imports msgspec and the
+core's layout structs only; nothing of vLLM, NIXL or threads.
+
+A frame is ``MAGIC`` followed by a msgpack map. Every map carries ``version`` and ``type``;
+the codec reads those two first so an unknown version is told apart from a malformed body.
+Decoding is strict: unknown fields, wrong types, out-of-range numbers, oversized frames
+and unknown versions all raise ``RemoteProtocolError``; callers drop and count them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final, Union
+
+import msgspec
+
+from connector.core.errors import RemoteProtocolError
+from connector.core.layout import KVLayout
+
+MAGIC: Final = b"pkv\x00"
+VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = frozenset({VERSION})
+# A registration for a 128k-token prompt with 16-token blocks holds ~8k ids (~25 KiB); the
+# cap leaves room for several KV groups while bounding what a bad peer can make us parse.
+MAX_FRAME_BYTES: Final = 512 * 1024
+MAX_BLOCKS_PER_GROUP: Final = 1 << 17
+MAX_GROUPS: Final = 16
+MAX_HEARTBEAT_IDS: Final = 4096
+
+TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\w.:@-]+$")]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=4095)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+BlockIds = Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
+Detail = Annotated[str, msgspec.Meta(max_length=512)]
+TtlMs = Annotated[int, msgspec.Meta(ge=1, le=24 * 3600 * 1000)]
+
+
+class FailReason(str, enum.Enum):
+    """Why a transfer ended without the KV landing. Travels in ``Fail`` and ``Cancel``."""
+
+    HANDSHAKE = "handshake"
+    POST_ERROR = "post_error"
+    WRITE_ERROR = "write_error"
+    WRITE_TIMEOUT = "write_timeout"
+    PREFILL_ABORTED = "prefill_aborted"
+    LEASE_EXPIRED = "lease_expired"
+    REGISTRATION_EXPIRED = "registration_expired"
+    CANCELLED = "cancelled"
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    PEER_LOST = "peer_lost"
+    DEADLINE = "deadline"
+    ABORTED = "aborted"
+    NOT_NEEDED = "not_needed"
+    SHUTDOWN = "shutdown"
+
+
+class TraceContext(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """W3C trace context carried with a transfer (filled by the router)."""
+
+    traceparent: Annotated[str, msgspec.Meta(max_length=128)]
+    tracestate: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
+class PeerAddr(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a rank's transport agent can be reached (its NIXL listener)."""
+
+    agent: Name
+    host: Host
+    port: Port
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type", kw_only=True):
+    transfer_id: TransferId
+    version: Annotated[int, msgspec.Meta(ge=0, le=255)] = VERSION
+
+
+class Register(_Msg, tag="register"):
+    """D→P: "write tokens [first_token, num_tokens) of this transfer into these blocks"."""
+
+    d_engine_id: Name
+    d_rank: Rank
+    d_tp_size: TpSize
+    d_addr: PeerAddr
+    layout: KVLayout
+    block_ids: Annotated[tuple[BlockIds, ...], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
+    first_token: Count
+    num_tokens: Count
+    # Relative, not absolute: P and D clocks need not agree.
+    ttl_ms: TtlMs
+    trace: TraceContext | None = None
+
+
+class Completion(_Msg, tag="done"):
+    """P→D, as the WRITE's own notification: this P rank's bytes have landed."""
+
+    p_rank: Rank
+    p_tp_size: TpSize
+    bytes_total: Count = 0
+    descriptors: Count = 0
+
+
+class Fail(_Msg, tag="fail"):
+    """P→D: this P rank will not write (or its WRITE failed); D must not wait for it."""
+
+    p_rank: Rank
+    reason: FailReason
+    detail: Detail = ""
+
+
+class Cancel(_Msg, tag="cancel"):
+    """D→P: D no longer wants the KV. P answers with ``Fail`` (or its WRITE's completion)."""
+
+    d_rank: Rank
+    d_addr: PeerAddr
+    reason: FailReason
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    """D→P: D still wants these transfers; renews P's lease on each of them."""
+
+    d_rank: Rank
+    d_addr: PeerAddr
+    more_ids: Annotated[tuple[TransferId, ...], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = ()
+
+    def transfer_ids(self) -> tuple[str, ...]:
+        return (self.transfer_id, *self.more_ids)
+
+
+Message = Union[Register, Completion, Fail, Cancel, Heartbeat]
+
+
+class _Header(msgspec.Struct):
+    """Read first, leniently, to tell an unknown version from a malformed body."""
+
+    version: int
+    type: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Frame a message for the wire."""
+    return MAGIC + _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame strictly; raise RemoteProtocolError on anything but a valid message."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    if not frame.startswith(MAGIC):
+        raise RemoteProtocolError("not a pushkv frame (bad magic)")
+    body = memoryview(frame)[len(MAGIC):]
+    try:
+        header = _header_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"malformed frame header: {exc}") from exc
+    if header.version not in SUPPORTED_VERSIONS:
+        raise RemoteProtocolError(f"unknown protocol version {header.version}")
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"malformed {header.type!r} message: {exc}") from exc
+
+
+def is_frame(data: bytes) -> bool:
+    """Cheap check used to route notifications that are not ours (e.g. another connector's)."""
+    return data.startswith(MAGIC)

@@ -1,0 +1,497 @@
+"""Every state transition of a transfer, on the sending (P) and the receiving (D) side.
+
+Owns: the state enums, the per-transfer records and the two transition tables. Rule 1
+(h11): everything that changes a transfer's state lives in this file. Rule 2: this file
+does not know where it runs; rendezvous.py (P) and receiver.py (D) wrap a table each, own
+the dict of records, clocks-as-arguments and counters.
+
+A transition is ``fn(record, event, ctx) -> list[action]``. A (state, event) pair missing
+from a table is an error: a message from the peer out of turn raises RemoteProtocolError
+(the caller drops and counts it), one of our own events out of turn raises
+LocalProtocolError (our bug).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.core import events as ev
+from connector.core.errors import LocalProtocolError, RemoteProtocolError
+from connector.core.messages import FailReason, PeerAddr, Register
+
+
+@dataclass(frozen=True)
+class DeadlinePassed:
+    """Synthesised by the tables' ``tick``: the record's current deadline is due."""
+
+    transfer_id: str
+
+
+# ====================================================================== sending side (P)
+class SendState(enum.Enum):
+    REGISTERED = "registered"  # registration(s) in, prefill still running
+    PREFILLED = "prefilled"  # blocks held under a lease, registration(s) missing
+    WRITING = "writing"  # WRITE(s) in flight: source blocks must stay
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _SEND_TERMINAL
+
+
+_SEND_TERMINAL = frozenset({SendState.DONE, SendState.FAILED, SendState.CANCELLED, SendState.EXPIRED})
+
+
+@dataclass(frozen=True)
+class SenderPolicy:
+    lease_ns: int = 30_000_000_000  # P holds finished blocks this long without news from D
+    max_registration_ttl_ns: int = 600_000_000_000
+    write_timeout_ns: int = 30_000_000_000
+    tombstone_ns: int = 120_000_000_000  # how long a finished transfer's id is remembered
+
+
+@dataclass
+class SendRecord:
+    transfer_id: str
+    state: SendState
+    deadline_ns: int
+    expected_d_ranks: frozenset[int] | None = None  # known from the first registration
+    registrations: dict[int, Register] = field(default_factory=dict)
+    request_id: str | None = None  # set once prefill is done (or aborted)
+    block_ids: ev.BlockTable = ()
+    num_tokens: int = 0
+    blocks_held: bool = False  # we owe the scheduler a FreeBlocks
+    write_issued: bool = False
+    cancel_pending: bool = False
+    aborting: bool = False
+    reason: FailReason | None = None
+    extra_fail_to: tuple[PeerAddr, ...] = ()
+
+    def peers(self) -> tuple[PeerAddr, ...]:
+        return tuple(r.d_addr for _, r in sorted(self.registrations.items()))
+
+
+@dataclass(frozen=True)
+class SendCtx:
+    now_ns: int
+    policy: SenderPolicy
+    targets_for: Callable[[int], frozenset[int]]  # d_tp_size -> D ranks this P rank writes
+
+
+def _reg_ttl(reg: Register, ctx: SendCtx) -> int:
+    return min(reg.ttl_ms * 1_000_000, ctx.policy.max_registration_ttl_ns)
+
+
+def _add_registration(rec: SendRecord, reg: Register, ctx: SendCtx) -> None:
+    targets = ctx.targets_for(reg.d_tp_size)
+    if rec.expected_d_ranks is None:
+        rec.expected_d_ranks = targets
+    elif targets != rec.expected_d_ranks:
+        raise RemoteProtocolError(f"{reg.transfer_id}: D ranks disagree on d_tp_size")
+    if reg.d_rank not in rec.expected_d_ranks:
+        raise RemoteProtocolError(f"{reg.transfer_id}: D rank {reg.d_rank} is not written by us")
+    if reg.d_rank in rec.registrations:
+        raise RemoteProtocolError(f"{reg.transfer_id}: duplicate registration of D rank {reg.d_rank}")
+    rec.registrations[reg.d_rank] = reg
+
+
+def _all_registered(rec: SendRecord) -> bool:
+    return rec.expected_d_ranks is not None and set(rec.registrations) == rec.expected_d_ranks
+
+
+def _issue(rec: SendRecord, ctx: SendCtx) -> list[Any]:
+    if rec.write_issued:
+        raise LocalProtocolError(f"{rec.transfer_id}: second WRITE for one transfer id")
+    rec.state, rec.write_issued = SendState.WRITING, True
+    rec.deadline_ns = ctx.now_ns + ctx.policy.write_timeout_ns
+    assert rec.request_id is not None
+    return [ev.IssueWrite(rec.transfer_id, rec.request_id, rec.block_ids, rec.num_tokens, tuple(
+        r for _, r in sorted(rec.registrations.items())))]
+
+
+def _end(rec: SendRecord, state: SendState, ctx: SendCtx, reason: FailReason | None) -> list[Any]:
+    """Enter a terminal state: free what we hold, tell every known D rank unless DONE."""
+    rec.state, rec.reason = state, reason
+    rec.deadline_ns = ctx.now_ns + ctx.policy.tombstone_ns
+    out: list[Any] = []
+    if rec.blocks_held:
+        rec.blocks_held = False
+        assert rec.request_id is not None
+        out.append(ev.FreeBlocks(rec.transfer_id, rec.request_id))
+    if state is not SendState.DONE:
+        to = tuple(dict.fromkeys((*rec.peers(), *rec.extra_fail_to)))
+        if to:
+            out.append(ev.SendFail(rec.transfer_id, to, reason or FailReason.CANCELLED))
+    return out
+
+
+def _prefill_into(rec: SendRecord, e: ev.PrefillDone) -> None:
+    if rec.request_id is not None:
+        raise LocalProtocolError(f"{e.transfer_id}: prefill reported twice")
+    rec.request_id, rec.block_ids, rec.num_tokens = e.request_id, e.block_ids, e.num_tokens
+    rec.blocks_held = True
+
+
+# --- transitions (sending side)
+def _s_registered_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[Any]:
+    _add_registration(rec, e.reg, ctx)
+    rec.deadline_ns = max(rec.deadline_ns, ctx.now_ns + _reg_ttl(e.reg, ctx))
+    return []
+
+
+def _s_registered_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> list[Any]:
+    _prefill_into(rec, e)
+    if _all_registered(rec):
+        return _issue(rec, ctx)
+    rec.state, rec.deadline_ns = SendState.PREFILLED, ctx.now_ns + ctx.policy.lease_ns
+    return []
+
+
+def _s_any_prefill_aborted(rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx) -> list[Any]:
+    if rec.request_id is not None:
+        raise LocalProtocolError(f"{e.transfer_id}: prefill aborted after it finished")
+    rec.request_id = e.request_id
+    return _end(rec, SendState.FAILED, ctx, FailReason.PREFILL_ABORTED)
+
+
+def _s_waiting_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
+    rec.extra_fail_to = (e.d_addr,)
+    return _end(rec, SendState.CANCELLED, ctx, FailReason.CANCELLED)
+
+
+def _s_waiting_heartbeat(rec: SendRecord, e: ev.HeartbeatSeen, ctx: SendCtx) -> list[Any]:
+    if rec.state is SendState.PREFILLED:
+        rec.deadline_ns = ctx.now_ns + ctx.policy.lease_ns
+    else:
+        ttl = max((_reg_ttl(r, ctx) for r in rec.registrations.values()), default=0)
+        rec.deadline_ns = max(rec.deadline_ns, ctx.now_ns + ttl)
+    return []
+
+
+def _s_registered_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
+    return _end(rec, SendState.EXPIRED, ctx, FailReason.REGISTRATION_EXPIRED)
+
+
+def _s_prefilled_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[Any]:
+    _add_registration(rec, e.reg, ctx)
+    return _issue(rec, ctx) if _all_registered(rec) else []
+
+
+def _s_prefilled_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
+    return _end(rec, SendState.EXPIRED, ctx, FailReason.LEASE_EXPIRED)
+
+
+def _s_writing_done(rec: SendRecord, e: ev.WriteDone, ctx: SendCtx) -> list[Any]:
+    return _end(rec, SendState.DONE, ctx, None)
+
+
+def _s_writing_failed(rec: SendRecord, e: ev.WriteFailed, ctx: SendCtx) -> list[Any]:
+    return _end(rec, SendState.FAILED, ctx, e.reason)
+
+
+def _s_writing_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
+    # The WRITE may be landing right now: its completion or failure answers D.
+    rec.cancel_pending = True
+    return []
+
+
+def _s_writing_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
+    # Never free blocks under a live WRITE: ask for an abort and wait for WriteFailed.
+    if rec.aborting:
+        rec.deadline_ns = ctx.now_ns + ctx.policy.write_timeout_ns
+        return []
+    rec.aborting, rec.deadline_ns = True, ctx.now_ns + ctx.policy.write_timeout_ns
+    return [ev.AbortWrite(rec.transfer_id)]
+
+
+def _s_terminal_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[Any]:
+    if rec.state is SendState.DONE or e.reg.d_rank in rec.registrations:
+        raise RemoteProtocolError(f"{e.reg.transfer_id}: registration for a finished transfer")
+    rec.registrations[e.reg.d_rank] = e.reg
+    return [ev.SendFail(rec.transfer_id, (e.reg.d_addr,), rec.reason or FailReason.CANCELLED)]
+
+
+def _s_terminal_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> list[Any]:
+    # D gave up (cancel, expiry) before P finished: hand the blocks straight back.
+    _prefill_into(rec, e)
+    rec.blocks_held = False
+    return [ev.FreeBlocks(rec.transfer_id, e.request_id)]
+
+
+def _s_terminal_prefill_aborted(rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx) -> list[Any]:
+    if rec.request_id is not None:
+        raise LocalProtocolError(f"{e.transfer_id}: prefill aborted after it finished")
+    rec.request_id = e.request_id
+    return []
+
+
+def _s_terminal_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
+    if rec.state is SendState.DONE:
+        # The bytes are in D's blocks: an answer ends D's wait sooner than its grace.
+        return [ev.ResendCompletion(rec.transfer_id, (e.d_addr,))]
+    return [ev.SendFail(rec.transfer_id, (e.d_addr,), rec.reason or FailReason.CANCELLED)]
+
+
+def _stale(rec: Any, e: Any, ctx: Any) -> list[Any]:
+    raise RemoteProtocolError(f"{type(e).__name__} for a transfer in no state to take it")
+
+
+def _ignore(rec: Any, e: Any, ctx: Any) -> list[Any]:
+    return []
+
+
+Transition = Callable[[Any, Any, Any], list[Any]]
+
+_S = SendState
+SEND_TABLE: dict[tuple[SendState, type], Transition] = {
+    (_S.REGISTERED, ev.Registered): _s_registered_registered,
+    (_S.REGISTERED, ev.PrefillDone): _s_registered_prefill,
+    (_S.REGISTERED, ev.PrefillAborted): _s_any_prefill_aborted,
+    (_S.REGISTERED, ev.Cancelled): _s_waiting_cancelled,
+    (_S.REGISTERED, ev.HeartbeatSeen): _s_waiting_heartbeat,
+    (_S.REGISTERED, DeadlinePassed): _s_registered_deadline,
+    (_S.PREFILLED, ev.Registered): _s_prefilled_registered,
+    (_S.PREFILLED, ev.Cancelled): _s_waiting_cancelled,
+    (_S.PREFILLED, ev.HeartbeatSeen): _s_waiting_heartbeat,
+    (_S.PREFILLED, DeadlinePassed): _s_prefilled_deadline,
+    (_S.WRITING, ev.WriteDone): _s_writing_done,
+    (_S.WRITING, ev.WriteFailed): _s_writing_failed,
+    (_S.WRITING, ev.Cancelled): _s_writing_cancelled,
+    (_S.WRITING, ev.HeartbeatSeen): _ignore,
+    (_S.WRITING, ev.Registered): _stale,
+    (_S.WRITING, DeadlinePassed): _s_writing_deadline,
+    **{(t, ev.Registered): _s_terminal_registered for t in _SEND_TERMINAL},
+    **{(t, ev.PrefillDone): _s_terminal_prefill for t in _SEND_TERMINAL if t is not _S.DONE},
+    **{(t, ev.PrefillAborted): _s_terminal_prefill_aborted for t in _SEND_TERMINAL if t is not _S.DONE},
+    **{(t, ev.Cancelled): _s_terminal_cancelled for t in _SEND_TERMINAL},
+}
+
+# What a first event makes of a transfer id never seen before (or forgotten).
+SEND_NEW: dict[type, Callable[[Any, SendCtx], tuple[SendRecord | None, list[Any]]]] = {}
+
+
+def _new_registered(e: ev.Registered, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+    rec = SendRecord(e.reg.transfer_id, SendState.REGISTERED, ctx.now_ns + _reg_ttl(e.reg, ctx))
+    _add_registration(rec, e.reg, ctx)
+    return rec, []
+
+
+def _new_prefill(e: ev.PrefillDone, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+    rec = SendRecord(e.transfer_id, SendState.PREFILLED, ctx.now_ns + ctx.policy.lease_ns)
+    _prefill_into(rec, e)
+    return rec, []
+
+
+def _new_prefill_aborted(e: ev.PrefillAborted, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+    # Remember the id so a registration arriving later is answered with Fail at once.
+    rec = SendRecord(e.transfer_id, SendState.FAILED, ctx.now_ns + ctx.policy.tombstone_ns,
+                     request_id=e.request_id, reason=FailReason.PREFILL_ABORTED)
+    return rec, []
+
+
+def _new_cancelled(e: ev.Cancelled, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+    # D cancels something we never saw (its registration was lost): answer so D stops
+    # waiting for us, and remember the id so a late registration or prefill is handled.
+    rec = SendRecord(e.transfer_id, SendState.CANCELLED, ctx.now_ns + ctx.policy.tombstone_ns,
+                     reason=FailReason.UNKNOWN_TRANSFER)
+    return rec, [ev.SendFail(e.transfer_id, (e.d_addr,), FailReason.UNKNOWN_TRANSFER)]
+
+
+SEND_NEW.update({
+    ev.Registered: _new_registered,
+    ev.PrefillDone: _new_prefill,
+    ev.PrefillAborted: _new_prefill_aborted,
+    ev.Cancelled: _new_cancelled,
+})
+
+
+def send_transition(rec: SendRecord | None, event: Any, ctx: SendCtx) -> tuple[SendRecord | None, list[Any]]:
+    """Apply one event to one transfer's record (None if the id is unknown)."""
+    if rec is None:
+        new = SEND_NEW.get(type(event))
+        if new is None:
+            _raise_out_of_turn(event, None)
+        return new(event, ctx)
+    fn = SEND_TABLE.get((rec.state, type(event)))
+    if fn is None:
+        _raise_out_of_turn(event, rec.state)
+    return rec, fn(rec, event, ctx)
+
+
+_LOCAL_EVENTS = (ev.PrefillDone, ev.PrefillAborted, ev.WriteDone, ev.WriteFailed, ev.Expected,
+                 ev.AbortRequested)
+
+
+def _raise_out_of_turn(event: Any, state: enum.Enum | None) -> None:
+    where = state.name if state is not None else "an unknown transfer"
+    msg = f"{type(event).__name__} in {where}"
+    if isinstance(event, _LOCAL_EVENTS):
+        raise LocalProtocolError(msg)
+    raise RemoteProtocolError(msg)
+
+
+# ==================================================================== receiving side (D)
+class RecvState(enum.Enum):
+    AWAITING = "awaiting"  # registrations sent, waiting for every source's completion
+    CANCELLING = "cancelling"  # we gave up; waiting for each pending source to answer
+    RECEIVED = "received"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RecvState.RECEIVED, RecvState.FAILED)
+
+
+class SourceState(enum.Enum):
+    PENDING = "pending"  # may still write into our blocks
+    DONE = "done"
+    FAILED = "failed"  # said it will not write, or is gone
+
+
+@dataclass(frozen=True)
+class ReceiverPolicy:
+    timeout_ns: int = 60_000_000_000  # registration sent → last completion
+    grace_ns: int = 10_000_000_000  # after a cancel, wait this long for P's answer
+    heartbeat_interval_ns: int = 5_000_000_000
+    tombstone_ns: int = 120_000_000_000
+
+
+@dataclass
+class RecvRecord:
+    transfer_id: str
+    request_id: str
+    state: RecvState
+    deadline_ns: int
+    sources: dict[int, ev.Source]
+    status: dict[int, SourceState]
+    reason: FailReason | None = None
+    abandoned: bool = False  # reported although a source never answered (last resort)
+
+    def pending(self) -> tuple[ev.Source, ...]:
+        return tuple(self.sources[p] for p, s in sorted(self.status.items()) if s is SourceState.PENDING)
+
+
+@dataclass(frozen=True)
+class RecvCtx:
+    now_ns: int
+    policy: ReceiverPolicy
+
+
+def _settle(rec: RecvRecord, ctx: RecvCtx) -> list[Any]:
+    """Report once no source can still write; never earlier (D's blocks stay ours)."""
+    if any(s is SourceState.PENDING for s in rec.status.values()):
+        return []
+    ok = all(s is SourceState.DONE for s in rec.status.values())
+    rec.state = RecvState.RECEIVED if ok else RecvState.FAILED
+    rec.deadline_ns = ctx.now_ns + ctx.policy.tombstone_ns
+    return [ev.ReportReceived(rec.transfer_id, rec.request_id, ok, None if ok else rec.reason)]
+
+
+def _mark(rec: RecvRecord, p_rank: int, to: SourceState) -> None:
+    if p_rank not in rec.status:
+        raise RemoteProtocolError(f"{rec.transfer_id}: P rank {p_rank} is not a source")
+    if rec.status[p_rank] is not SourceState.PENDING:
+        raise RemoteProtocolError(f"{rec.transfer_id}: P rank {p_rank} answered twice")
+    rec.status[p_rank] = to
+
+
+def _cancel(rec: RecvRecord, reason: FailReason, ctx: RecvCtx) -> list[Any]:
+    rec.state, rec.reason = RecvState.CANCELLING, rec.reason or reason
+    rec.deadline_ns = ctx.now_ns + ctx.policy.grace_ns
+    pending = rec.pending()
+    return [ev.SendCancel(rec.transfer_id, pending, reason)] if pending else _settle(rec, ctx)
+
+
+# --- transitions (receiving side)
+def _r_completion(rec: RecvRecord, e: ev.CompletionSeen, ctx: RecvCtx) -> list[Any]:
+    _mark(rec, e.p_rank, SourceState.DONE)
+    return _settle(rec, ctx)
+
+
+def _r_awaiting_fail(rec: RecvRecord, e: ev.FailSeen | ev.SendFailed, ctx: RecvCtx) -> list[Any]:
+    _mark(rec, e.p_rank, SourceState.FAILED)
+    rec.reason = rec.reason or e.reason
+    # The KV cannot be whole any more: make the other sources answer promptly.
+    return _cancel(rec, e.reason, ctx) if rec.pending() else _settle(rec, ctx)
+
+
+def _r_cancelling_fail(rec: RecvRecord, e: ev.FailSeen | ev.SendFailed, ctx: RecvCtx) -> list[Any]:
+    _mark(rec, e.p_rank, SourceState.FAILED)
+    rec.reason = rec.reason or e.reason
+    return _settle(rec, ctx)
+
+
+def _r_awaiting_abort(rec: RecvRecord, e: ev.AbortRequested, ctx: RecvCtx) -> list[Any]:
+    return _cancel(rec, FailReason.ABORTED, ctx)
+
+
+def _r_awaiting_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[Any]:
+    return _cancel(rec, FailReason.DEADLINE, ctx)
+
+
+def _r_cancelling_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[Any]:
+    # Last resort so the engine never waits forever: a source neither answered nor was
+    # seen to die. Counted and logged by the caller.
+    rec.abandoned = True
+    for p in list(rec.status):
+        if rec.status[p] is SourceState.PENDING:
+            rec.status[p] = SourceState.FAILED
+    rec.reason = rec.reason or FailReason.DEADLINE
+    return _settle(rec, ctx)
+
+
+def _r_terminal_send_failed(rec: RecvRecord, e: ev.SendFailed, ctx: RecvCtx) -> list[Any]:
+    return []  # a late heartbeat or cancel to a peer that went away: nothing is owed
+
+
+_R = RecvState
+RECV_TABLE: dict[tuple[RecvState, type], Transition] = {
+    (_R.AWAITING, ev.CompletionSeen): _r_completion,
+    (_R.AWAITING, ev.FailSeen): _r_awaiting_fail,
+    (_R.AWAITING, ev.SendFailed): _r_awaiting_fail,
+    (_R.AWAITING, ev.AbortRequested): _r_awaiting_abort,
+    (_R.AWAITING, DeadlinePassed): _r_awaiting_deadline,
+    (_R.CANCELLING, ev.CompletionSeen): _r_completion,
+    (_R.CANCELLING, ev.FailSeen): _r_cancelling_fail,
+    (_R.CANCELLING, ev.SendFailed): _r_cancelling_fail,
+    (_R.CANCELLING, ev.AbortRequested): _ignore,
+    (_R.CANCELLING, DeadlinePassed): _r_cancelling_deadline,
+    (_R.RECEIVED, ev.AbortRequested): _ignore,
+    (_R.FAILED, ev.AbortRequested): _ignore,
+    (_R.RECEIVED, ev.SendFailed): _r_terminal_send_failed,
+    (_R.FAILED, ev.SendFailed): _r_terminal_send_failed,
+}
+
+
+def _new_expected(e: ev.Expected, ctx: RecvCtx) -> tuple[RecvRecord, list[Any]]:
+    if not e.sources:
+        raise LocalProtocolError(f"{e.transfer_id}: expected a transfer with no source")
+    sources = {s.p_rank: s for s in e.sources}
+    if len(sources) != len(e.sources):
+        raise LocalProtocolError(f"{e.transfer_id}: a source rank is listed twice")
+    rec = RecvRecord(e.transfer_id, e.request_id, RecvState.AWAITING,
+                     ctx.now_ns + ctx.policy.timeout_ns, sources,
+                     {p: SourceState.PENDING for p in sources})
+    return rec, [ev.SendRegister(e.transfer_id, s) for s in e.sources]
+
+
+def recv_transition(rec: RecvRecord | None, event: Any, ctx: RecvCtx) -> tuple[RecvRecord | None, list[Any]]:
+    """Apply one event to one transfer's record (None if the id is unknown)."""
+    if rec is None:
+        if isinstance(event, ev.Expected):
+            return _new_expected(event, ctx)
+        if isinstance(event, (ev.SendFailed, ev.AbortRequested)):
+            return None, []  # about a transfer already forgotten: nothing is owed
+        _raise_out_of_turn(event, None)
+    if isinstance(event, ev.Expected):
+        raise LocalProtocolError(f"{event.transfer_id}: expected twice")
+    fn = RECV_TABLE.get((rec.state, type(event)))
+    if fn is None:
+        _raise_out_of_turn(event, rec.state)
+    return rec, fn(rec, event, ctx)
