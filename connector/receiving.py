@@ -33,6 +33,7 @@ class Received:
     request_id: str
     ok: bool
     reason: m.FailReason | None
+    at_ns: int = 0  # wall clock when the last completion was counted (or the failure decided)
 
 
 class Receiver:
@@ -100,7 +101,7 @@ class Receiver:
                 rec = self.table.get(a.transfer_id)
                 if rec is not None and rec.abandoned:
                     logger.error("Transfer %s abandoned: a P rank never answered", a.transfer_id)
-                self.finished.append(Received(a.transfer_id, a.request_id, a.ok, a.reason))
+                self.finished.append(Received(a.transfer_id, a.request_id, a.ok, a.reason, time.time_ns()))
             else:
                 raise TypeError(f"unknown receiver action {a!r}")
 

@@ -1,0 +1,147 @@
+"""P's Sender and D's Receiver over the in-process fake transport (pure logic, no threads).
+
+The real-NIXL versions of these paths are in tests/integration; here the fake makes the
+failure paths deterministic: post errors, unreachable peers, layout mismatches, a GPU
+step that has not finished, spoofed senders, malformed frames.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from connector.core import events as ev
+from connector.core import messages as m
+from connector.loopback import RankSpec, expected_event
+from connector.peers import Peers
+from connector.receiving import Receiver
+from connector.sending import Sender
+from connector.topology import RankInfo, Topology
+from connector.transfer_thread import TransferThread
+from connector.transport.fake import FakeFabric
+
+MS = 1_000_000
+
+
+class Pair:
+    """One P rank and one D rank on a fake fabric, pumped by hand."""
+
+    def __init__(self, d_num_tokens_delta: int = 0, dial_timeout_ns: int = 50 * MS) -> None:
+        self.fabric = FakeFabric()
+        self.now = 0
+        self.p_spec = RankSpec("P", "prefill", 0, 1, 16000)
+        self.d_spec = RankSpec("D", "decode", 0, 1, 17000)
+        self.p_buf, self.d_buf = self.p_spec.allocate(), self.d_spec.allocate()
+        self.tp = self.fabric.transport(self.p_spec.agent, port=self.p_spec.port)
+        self.td = self.fabric.transport(self.d_spec.agent, port=self.d_spec.port)
+        p_layout, d_layout = self.p_spec.layout(self.p_buf), self.d_spec.layout(self.d_buf)
+        self.tp.register_memory(p_layout.memory_extents())
+        self.td.register_memory(d_layout.memory_extents())
+        self.reports: list = []
+        self.sender = Sender(self.tp, RankInfo("prefill", 0, 1, self.p_spec.addr), p_layout,
+                             Topology(4, 1), Peers(self.tp, dial_timeout_ns),
+                             on_write_finished=self.reports.append)
+        self.receiver = Receiver(RankInfo("decode", 0, 1, self.d_spec.addr), d_layout,
+                                 Peers(self.td, dial_timeout_ns), clock=lambda: self.now)
+        self.delta = d_num_tokens_delta
+
+    def expect(self, tid: str, n: int, blocks: tuple[int, ...]) -> None:
+        self.receiver.on_event(expected_event(tid, [self.p_spec], self.d_spec, blocks, n + self.delta),
+                               self.now)
+
+    def pump(self, rounds: int = 20, dt_ns: int = MS) -> None:
+        for _ in range(rounds):
+            self.now += dt_ns
+            for t, endpoint in ((self.tp, self.sender), (self.td, self.receiver)):
+                for agent, frame in t.get_notifs():
+                    endpoint.on_message(agent, m.decode(frame), self.now)
+            self.sender.peers.poll(self.now)
+            self.receiver.peers.poll(self.now)
+            self.sender.poll(self.now)
+            self.receiver.poll(self.now)
+
+
+def test_happy_path_moves_the_bytes_and_reports_once() -> None:
+    pair = Pair()
+    pair.expect("t", 40, (9, 3, 5))
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2, 3),), 40), pair.now)
+    pair.pump()
+    assert [(r.transfer_id, r.ok) for r in pair.receiver.finished] == [("t", True)]
+    assert pair.sender.finished == ["preq"]
+    assert np.count_nonzero(pair.d_buf[:, [9, 3]]) > 0 and not np.any(pair.d_buf[:, 0])
+    (report,) = pair.reports
+    # Per layer: one piece per full block (D's are scattered) and, for the half-filled last
+    # block of this head-major layout, one per head.
+    assert report.ok and report.descriptors == 2 * (2 + 4)
+    assert report.issued_ns <= report.prepared_ns <= report.posted_ns <= report.done_ns
+
+
+def test_post_error_fails_d_and_frees_p() -> None:
+    pair = Pair()
+    pair.fabric.fail_writes("post", count=1)
+    pair.expect("t", 32, (1, 2))
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2),), 32), pair.now)
+    pair.pump()
+    assert pair.sender.finished == ["preq"]
+    (got,) = pair.receiver.finished
+    assert not got.ok and got.reason is m.FailReason.POST_ERROR
+    assert not np.any(pair.d_buf)
+
+
+def test_token_count_mismatch_is_a_layout_failure() -> None:
+    pair = Pair(d_num_tokens_delta=16)
+    pair.expect("t", 32, (1, 2, 3))
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2),), 32), pair.now)
+    pair.pump()
+    assert pair.sender.finished == ["preq"]
+    assert pair.receiver.finished[0].reason is m.FailReason.LAYOUT_MISMATCH
+
+
+def test_write_waits_for_the_compute_step() -> None:
+    pair = Pair()
+    done = {"v": False}
+    pair.expect("t", 16, (4,))
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now, ready=lambda: done["v"])
+    pair.pump()
+    assert pair.fabric.posted == [] and pair.receiver.finished == []
+    done["v"] = True
+    pair.pump()
+    assert len(pair.fabric.posted) == 1 and pair.receiver.finished[0].ok
+
+
+def test_unreachable_decode_fails_the_dial_and_frees_blocks() -> None:
+    pair = Pair()
+    pair.fabric.set_unreachable(pair.d_spec.agent)
+    reg = m.Register(transfer_id="t", d_engine_id="decode", d_rank=0, d_tp_size=1,
+                     d_addr=pair.d_spec.addr, layout=pair.receiver.layout, block_ids=((1,),),
+                     first_token=0, num_tokens=16, ttl_ms=10_000)
+    pair.sender.on_message(pair.d_spec.agent, reg, pair.now)
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now)
+    pair.pump(rounds=100)
+    assert pair.sender.finished == ["preq"]
+    assert pair.reports[0].reason is m.FailReason.HANDSHAKE
+
+
+def test_spoofed_sender_is_dropped() -> None:
+    pair = Pair()
+    reg = m.Register(transfer_id="t", d_engine_id="decode", d_rank=0, d_tp_size=1,
+                     d_addr=pair.d_spec.addr, layout=pair.receiver.layout, block_ids=((1,),),
+                     first_token=0, num_tokens=16, ttl_ms=10_000)
+    pair.sender.on_message("someone-else", reg, pair.now)
+    assert pair.sender.counters["sender_mismatch"] == 1 and len(pair.sender.table) == 0
+    pair.receiver.on_event(expected_event("u", [pair.p_spec], pair.d_spec, (1,), 16), pair.now)
+    pair.receiver.on_message("someone-else", m.Completion(transfer_id="u", p_rank=0, p_tp_size=1),
+                             pair.now)
+    assert pair.receiver.counters["sender_mismatch"] == 1 and pair.receiver.finished == []
+
+
+@pytest.mark.parametrize("frame, counter", [
+    (b"PUSH_REG:whatever", "foreign_notifs"),
+    (m.MAGIC + b"\x93\x01", "malformed_notifs"),
+    (m.encode(m.Completion(transfer_id="x", p_rank=0, p_tp_size=1)), "misrouted_notifs"),
+])
+def test_transfer_thread_drops_and_counts_bad_frames(frame: bytes, counter: str) -> None:
+    pair = Pair()
+    thread = TransferThread(pair.tp, pair.sender.peers, sender=pair.sender)  # not started
+    thread._dispatch_frame("decode-0", frame, 0)
+    assert thread.counters[counter] == 1
