@@ -5,3 +5,13 @@ This package must import cheaply: vLLM imports the connector module in every pro
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # vLLM resolves kv_connector "PushConnector" as getattr(import_module("connector"), ...):
+    # load the plugin (and vLLM's base classes) only then.
+    if name == "PushConnector":
+        from connector.plugin import PushConnector
+
+        return PushConnector
+    raise AttributeError(f"module 'connector' has no attribute {name!r}")

@@ -14,6 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     demo.add_argument("--repeats", type=int, default=10)
     sub.add_parser("version", help="print the version")
+    sub.add_parser("router", help="the P/D router (pushkv router --help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["router"]:
+        from connector.router import main as router_main
+
+        return router_main(argv[1:])
     args = parser.parse_args(argv)
     if args.cmd == "version":
         from connector import __version__

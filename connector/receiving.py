@@ -51,10 +51,16 @@ class Receiver:
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ inputs
-    def on_event(self, event: ev.ReceiverEvent, now_ns: int, ready: object = None) -> None:
+    def on_event(self, event: ev.ReceiverEvent | ev.NotNeeded, now_ns: int, ready: object = None) -> None:
+        if isinstance(event, ev.NotNeeded):
+            frame = m.encode(m.Cancel(transfer_id=event.transfer_id, d_rank=self.me.rank,
+                                      d_addr=self.me.addr, reason=m.FailReason.NOT_NEEDED))
+            for src in event.sources:
+                self.peers.send(src.addr, frame, now_ns, self._count_failure)
+            return
         if isinstance(event, ev.Expected):
             self._expected[event.transfer_id] = event
-        self._run(self.table.handle(event, now_ns), now_ns)
+        self._run(self._handle(event, now_ns), now_ns)
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
         if not isinstance(msg, (m.Completion, m.Fail)):
@@ -69,7 +75,7 @@ class Receiver:
             event: ev.ReceiverEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
         else:
             event = ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason)
-        self._run(self.table.handle(event, now_ns), now_ns)
+        self._run(self._handle(event, now_ns), now_ns)
 
     def poll(self, now_ns: int) -> None:
         nxt = self.table.next_deadline_ns()
@@ -78,6 +84,17 @@ class Receiver:
 
     def busy(self) -> bool:
         return self.table.awaiting_network()
+
+    def _handle(self, event: object, now_ns: int) -> list:
+        """Feed the table; a message it drops (stale, duplicate, out of turn) is logged,
+        throttled to the 1st, 2nd, 4th... so a misbehaving peer cannot flood the log."""
+        before = sum(self.table.dropped.values())
+        actions = self.table.handle(event, now_ns)  # type: ignore[arg-type]
+        total = sum(self.table.dropped.values())
+        if total > before and total & (total - 1) == 0:
+            logger.warning("Dropped %s: %s (%d dropped so far)", type(event).__name__,
+                           self.table.last_drop, total)
+        return actions
 
     # ------------------------------------------------------------------ actions
     def _run(self, actions: list, now_ns: int) -> None:
@@ -101,6 +118,9 @@ class Receiver:
                 rec = self.table.get(a.transfer_id)
                 if rec is not None and rec.abandoned:
                     logger.error("Transfer %s abandoned: a P rank never answered", a.transfer_id)
+                elif not a.ok:
+                    logger.warning("Transfer %s failed: %s", a.transfer_id,
+                                   a.reason.value if a.reason else "unknown")
                 self.finished.append(Received(a.transfer_id, a.request_id, a.ok, a.reason, time.time_ns()))
             else:
                 raise TypeError(f"unknown receiver action {a!r}")
@@ -119,15 +139,20 @@ class Receiver:
             # Undelivered: that rank never saw this message, or is gone. Either way it
             # will not write for this transfer.
             self.counters["send_failed"] += 1
+            logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
             reason = m.FailReason.PEER_LOST if isinstance(exc, PeerDisconnected) else m.FailReason.HANDSHAKE
             now = self._clock()
-            self._run(self.table.handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
+            self._run(self._handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
         return fail
+
+    def _count_failure(self, exc: TransportError) -> None:
+        self.counters["send_failed"] += 1
+        logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _on_heartbeat_error(self, addr: m.PeerAddr):
         def fail(exc: TransportError) -> None:
             self.counters["heartbeat_failed"] += 1
             if isinstance(exc, PeerDisconnected):
                 now = self._clock()
-                self._run(self.table.handle(ev.PeerLost(addr.agent), now), now)
+                self._run(self._handle(ev.PeerLost(addr.agent), now), now)
         return fail

@@ -15,6 +15,7 @@ A submit wakes it at once.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,23 @@ from connector.sending import Sender
 from connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
+
+
+def _unpin() -> None:
+    """Let this thread run on any CPU. vLLM's CPU worker pins its process (and so every
+    thread it starts) to the cores of its OpenMP pool, where the engine loop spins; a
+    transfer thread stuck behind it delays the WRITE and its notifications by seconds."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        allowed = os.sched_getaffinity(0)
+        every = set(range(os.cpu_count() or 1))
+        if allowed != every:
+            os.sched_setaffinity(0, every)  # pid 0: the calling thread only
+            logger.info("Transfer thread moved from CPUs %s to %s", sorted(allowed),
+                        sorted(os.sched_getaffinity(0)))
+    except OSError as exc:  # a cpuset may forbid it: keep the inherited mask
+        logger.info("Transfer thread keeps its CPU mask: %s", exc)
 
 
 class TransferThread:
@@ -92,6 +110,7 @@ class TransferThread:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        _unpin()
         delay = self._hot_min_s
         while not self._stop.is_set():
             try:
@@ -146,7 +165,7 @@ class TransferThread:
         try:
             if isinstance(event, (ev.PrefillDone, ev.PrefillAborted)) and self.sender is not None:
                 self.sender.on_event(event, now, ready)
-            elif isinstance(event, (ev.Expected, ev.AbortRequested)) and self.receiver is not None:
+            elif isinstance(event, (ev.Expected, ev.AbortRequested, ev.NotNeeded)) and self.receiver is not None:
                 self.receiver.on_event(event, now)
             else:
                 raise TypeError(f"no endpoint takes {type(event).__name__}")
@@ -163,8 +182,7 @@ class TransferThread:
         try:
             msg = m.decode(frame)
         except RemoteProtocolError as exc:
-            self.counters["malformed_notifs"] += 1
-            logger.debug("Dropped a notification from %s: %s", agent, exc)
+            self._drop("malformed_notifs", "Dropped a notification from %s: %s", agent, exc)
             return
         if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)):
             target: Sender | Receiver | None = self.sender
@@ -174,6 +192,13 @@ class TransferThread:
             self.counters["misrouted_notifs"] += 1
             return
         target.on_message(agent, msg, now)
+
+    def _drop(self, counter: str, fmt: str, *args: Any) -> None:
+        """Count a dropped message; log the 1st, 2nd, 4th, 8th... so a flood stays quiet."""
+        self.counters[counter] += 1
+        n = self.counters[counter]
+        if n & (n - 1) == 0:
+            logger.warning(fmt + " (%d so far)", *args, n)
 
     def _publish(self) -> None:
         s, r = self.sender, self.receiver

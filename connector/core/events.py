@@ -131,6 +131,15 @@ class PeerLost:
 
 
 @dataclass(frozen=True)
+class NotNeeded:
+    """D's prefix cache already holds the prompt: tell the sources to free their blocks.
+    No record is kept and nothing is awaited."""
+
+    transfer_id: str
+    sources: tuple[Source, ...]
+
+
+@dataclass(frozen=True)
 class AbortRequested:
     """D's request finished (abort, error) while waiting for its KV."""
 

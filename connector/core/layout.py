@@ -59,15 +59,58 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: Annotated[tuple[Region, ...], msgspec.Meta(max_length=MAX_REGIONS)]
     device_id: NonNeg = 0  # for NIXL descriptors (GPU index, 0 for DRAM)
     mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    # Byte strides of (head, token) inside a block; 0 derives them from `order`. Explicit
+    # strides describe e.g. vLLM's CPU cache, where each head holds K[N, D] then V[N, D]:
+    # two regions (K, V) per layer, head stride 2*N*D, token stride D.
+    head_stride: NonNeg = 0
+    token_stride: NonNeg = 0
+    # The order of tokens inside a block is private to the attention kernel (vLLM's CPU
+    # AMX kernels tile K and V): only whole blocks of a head may move, so partial last
+    # blocks travel whole and P and D must use the same block size.
+    opaque_blocks: bool = False
 
     @property
     def num_heads(self) -> int:
         return self.heads[1] - self.heads[0]
 
+    def strides(self) -> tuple[int, int]:
+        """Byte strides of (head, token) inside a block."""
+        if self.order == "HND":
+            hs, ts = self.block_size * self.token_bytes, self.token_bytes
+        else:
+            hs, ts = self.token_bytes, self.num_heads * self.token_bytes
+        return self.head_stride or hs, self.token_stride or ts
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block that hold data (the stride may add padding)."""
         return self.num_heads * self.block_size * self.token_bytes
+
+    @property
+    def block_extent(self) -> int:
+        """Bytes from a region's block start to the end of its last element in the block."""
+        hs, ts = self.strides()
+        return (self.num_heads - 1) * hs + (self.block_size - 1) * ts + self.token_bytes
+
+    def occupied(self) -> list[tuple[int, int]]:
+        """The byte intervals one region uses inside a block, relative to its start."""
+        hs, ts = self.strides()
+        tb, nh, n = self.token_bytes, self.num_heads, self.block_size
+        if ts == tb:  # tokens contiguous within a head
+            runs = [(h * hs, h * hs + n * tb) for h in range(nh)]
+        elif hs == tb:  # heads contiguous within a token
+            runs = [(t * ts, t * ts + nh * tb) for t in range(n)]
+        else:
+            runs = [(h * hs + t * ts, h * hs + t * ts + tb) for h in range(nh) for t in range(n)]
+        merged: list[list[int]] = []
+        for a, b in sorted(runs):
+            if merged and a <= merged[-1][1]:
+                if a < merged[-1][1]:
+                    raise LayoutError("elements of one block overlap (strides too small)")
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        return [(a, b) for a, b in merged]
 
     def region_keys(self) -> tuple[RegionKey, ...]:
         return tuple(r.key for r in self.regions)
@@ -82,9 +125,10 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise LayoutError(f"empty head range {self.heads}")
         if len(set(self.region_keys())) != len(self.regions):
             raise LayoutError("duplicate region keys")
+        self.occupied()  # raises if elements of a block overlap
         for r in self.regions:
-            if r.block_stride < self.block_bytes:
-                raise LayoutError(f"region {r.key}: stride {r.block_stride} < {self.block_bytes}")
+            if r.block_stride < self.block_extent:
+                raise LayoutError(f"region {r.key}: stride {r.block_stride} < {self.block_extent}")
             if r.base_addr + self.num_blocks * r.block_stride > _MAX_ADDR:
                 raise LayoutError(f"region {r.key} ends beyond the int64 address space")
         self._check_disjoint()
@@ -94,28 +138,24 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         # inside each block's stride) must not reach past the tensor it lives in.
         if self.num_blocks == 0:
             return r.base_addr, r.base_addr
-        return r.base_addr, r.base_addr + (self.num_blocks - 1) * r.block_stride + self.block_bytes
+        return r.base_addr, r.base_addr + (self.num_blocks - 1) * r.block_stride + self.block_extent
 
     def _check_disjoint(self) -> None:
         live = sorted((r for r in self.regions if self.num_blocks), key=lambda r: r.base_addr)
         if len(live) < 2:
             return
         starts = np.array([r.base_addr for r in live], dtype=np.int64)
-        strides = np.array([r.block_stride for r in live], dtype=np.int64)
-        used = self.block_bytes
+        used = self.occupied()
         for i, r in enumerate(live):
             end = self._span(r)[1]
             hi = int(np.searchsorted(starts, end, side="left"))
-            if hi <= i + 1:
-                continue
-            # Overlapping spans are fine only for regions interleaved block by block: same
-            # stride and the other's blocks sit in this one's padding (cross-layer, [N, 2, ...]).
-            gap = (starts[i + 1 : hi] - r.base_addr) % r.block_stride
-            same = strides[i + 1 : hi] == r.block_stride
-            ok = same & (gap >= used) & (r.block_stride - gap >= used)
-            if not ok.all():
-                other = live[i + 1 + int(np.flatnonzero(~ok)[0])]
-                raise LayoutError(f"regions {r.key} and {other.key} overlap in memory")
+            for other in live[i + 1 : hi]:
+                # Overlapping spans are fine only for regions interleaved block by block:
+                # same stride, and neither's elements land on the other's (K and V of one
+                # head, cross-layer blocks, [N, 2, ...] tensors).
+                gap = (other.base_addr - r.base_addr) % r.block_stride
+                if other.block_stride != r.block_stride or _collide(used, gap, r.block_stride):
+                    raise LayoutError(f"regions {r.key} and {other.key} overlap in memory")
 
     def memory_extents(self) -> list[tuple[int, int]]:
         """The (addr, nbytes) spans to register with the transport, touching spans merged."""
@@ -128,6 +168,16 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             else:
                 out.append([start, end])
         return [(s, e - s) for s, e in out]
+
+
+def _collide(used: list[tuple[int, int]], gap: int, period: int) -> bool:
+    """Do intervals `used` and the same intervals shifted by `gap` intersect, modulo period?"""
+    shifted = []
+    for a, b in used:
+        a2, b2 = a + gap, b + gap
+        for lo, hi in ((a2, b2), (a2 - period, b2 - period), (a2 + period, b2 + period)):
+            shifted.append((lo, hi))
+    return any(a < hi and lo < b for a, b in used for lo, hi in shifted)
 
 
 def head_range(tp_rank: int, tp_size: int, num_kv_heads: int) -> HeadRange:
@@ -284,19 +334,12 @@ class _Side:
 
     def strides(self) -> tuple[int, int]:
         """Byte strides of (head, token) inside a block."""
-        lay = self.layout
-        if lay.order == "HND":
-            return lay.block_size * lay.token_bytes, lay.token_bytes
-        return lay.token_bytes, lay.num_heads * lay.token_bytes
+        return self.layout.strides()
 
     def first_elements(self, ids: np.ndarray, offset: np.ndarray, first_head: int) -> np.ndarray:
         """(R, S) address of (first_head, first token) of each segment in each region."""
-        lay = self.layout
-        h = first_head - lay.heads[0]
-        if lay.order == "HND":
-            inner = (h * lay.block_size + offset) * lay.token_bytes
-        else:
-            inner = (offset * lay.num_heads + h) * lay.token_bytes
+        hs, ts = self.strides()
+        inner = (first_head - self.layout.heads[0]) * hs + offset * ts
         at: np.ndarray = self.base[:, None] + ids[self.group_row] * self.stride[:, None] + inner
         return at
 
@@ -421,6 +464,11 @@ def plan_transfer(
         raise LayoutError(f"bad token range [{first_token}, {num_tokens})")
     if first_token == num_tokens or not groups:
         return Pieces.empty()
+    if src.opaque_blocks or dst.opaque_blocks:
+        if src.block_size != dst.block_size:
+            raise LayoutError(f"block sizes differ ({src.block_size} != {dst.block_size}) but the "
+                              "block interiors are opaque to us (CPU attention): use one block size")
+        num_tokens = -(-num_tokens // dst.block_size) * dst.block_size  # whole blocks only
     starts, seg_len = _segments(first_token, num_tokens, src.block_size, dst.block_size)
     s_idx, s_off = np.divmod(starts, src.block_size)
     d_idx, d_off = np.divmod(starts - first_token, dst.block_size)

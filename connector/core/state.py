@@ -161,7 +161,9 @@ def _s_any_prefill_aborted(rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx) 
 
 
 def _s_waiting_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
-    rec.extra_fail_to = (e.d_addr,)
+    # Every cancel is answered, so D knows no WRITE will come; except "not needed",
+    # where D never waited.
+    rec.extra_fail_to = () if e.reason is FailReason.NOT_NEEDED else (e.d_addr,)
     return _end(rec, SendState.CANCELLED, ctx, FailReason.CANCELLED)
 
 
@@ -300,6 +302,8 @@ def _new_cancelled(e: ev.Cancelled, ctx: SendCtx) -> tuple[SendRecord, list[Any]
     # waiting for us, and remember the id so a late registration or prefill is handled.
     rec = SendRecord(e.transfer_id, SendState.CANCELLED, ctx.now_ns + ctx.policy.tombstone_ns,
                      reason=FailReason.UNKNOWN_TRANSFER)
+    if e.reason is FailReason.NOT_NEEDED:
+        return rec, []
     return rec, [ev.SendFail(e.transfer_id, (e.d_addr,), FailReason.UNKNOWN_TRANSFER)]
 
 

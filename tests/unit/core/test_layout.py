@@ -32,7 +32,9 @@ BLOCK_SIZES = (1, 2, 3, 4, 8, 16)
 def elem_addr(lay: KVLayout, region: Region, block: int, head: int, n: int) -> int:
     """Address of (global head, token n of the block) by the formulas of the layout model."""
     h = head - lay.heads[0]
-    if lay.order == "HND":
+    if lay.head_stride:  # explicit strides (e.g. vLLM's CPU cache: K then V per head)
+        off = h * lay.head_stride + n * lay.token_stride
+    elif lay.order == "HND":
         off = (h * lay.block_size + n) * lay.token_bytes
     else:
         off = (n * lay.num_heads + h) * lay.token_bytes
@@ -64,8 +66,13 @@ def reference(src, sb, dst, db, first, n, heads) -> Pieces:
 
 
 def make_layout(keys, *, block_size, num_blocks, heads, token_bytes, order, pad=0, base=4096,
-                gap=0, device_id=0):
-    """Regions laid one after another from `base`, in the given key order."""
+                gap=0, device_id=0, kv_split=False):
+    """Regions laid one after another from `base`, in the given key order. With `kv_split`,
+    each layer is one tensor whose heads hold K[N] then V[N] (vLLM's CPU cache): parts 0
+    and 1 of a (layer, group) interleave inside the same blocks."""
+    if kv_split:
+        return _kv_split_layout(keys, block_size, num_blocks, heads, token_bytes, pad, base, gap,
+                                device_id)
     stride = (heads[1] - heads[0]) * block_size * token_bytes + pad
     regions, addr = [], base
     for layer, group, part in keys:
@@ -75,6 +82,20 @@ def make_layout(keys, *, block_size, num_blocks, heads, token_bytes, order, pad=
     return KVLayout(block_size=block_size, num_blocks=num_blocks, heads=heads,
                     token_bytes=token_bytes, order=order, regions=tuple(regions),
                     device_id=device_id)
+
+
+def _kv_split_layout(keys, n, num_blocks, heads, tb, pad, base, gap, device_id):
+    nh = heads[1] - heads[0]
+    stride = nh * 2 * n * tb + pad
+    regions, addr = [], base
+    for layer, group in sorted({(k[0], k[1]) for k in keys}):
+        for part in (0, 1):
+            regions.append(Region(layer=layer, group=group, part=part,
+                                  base_addr=addr + part * n * tb, block_stride=stride))
+        addr += num_blocks * stride + gap
+    return KVLayout(block_size=n, num_blocks=num_blocks, heads=heads, token_bytes=tb,
+                    order="HND", regions=tuple(regions), device_id=device_id,
+                    head_stride=2 * n * tb, token_stride=tb)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -106,10 +127,17 @@ def scenarios(draw):
     sb = [draw(st.permutations(range(s_nb)))[: s_need + draw(st.integers(0, 1))] for _ in groups]
     db = [draw(st.permutations(range(d_nb)))[: d_need + draw(st.integers(0, 1))] for _ in groups]
     orders = st.sampled_from(["HND", "NHD"])
+    # A K/V-split layout has both parts of every layer, so both sides get all of them.
+    split_s, split_d = draw(st.booleans()), draw(st.booleans())
+    if split_s or split_d:
+        keys = sorted({(k[0], k[1], p) for k in keys for p in (0, 1)})
+        d_keys = draw(st.permutations(keys))
     src = dict(keys=keys, block_size=bs, num_blocks=s_nb, order=draw(orders), token_bytes=tb,
-               pad=draw(st.sampled_from([0, 0, 1, 7])), base=4096, gap=draw(st.integers(0, 3)))
+               pad=draw(st.sampled_from([0, 0, 1, 7])), base=4096, gap=draw(st.integers(0, 3)),
+               kv_split=split_s)
     dst = dict(keys=d_keys, block_size=bd, num_blocks=d_nb, order=draw(orders), token_bytes=tb,
-               pad=draw(st.sampled_from([0, 0, 3])), base=1 << 30, gap=draw(st.integers(0, 3)))
+               pad=draw(st.sampled_from([0, 0, 3])), base=1 << 30, gap=draw(st.integers(0, 3)),
+               kv_split=split_d)
     return num_heads, p_tp, d_tp, src, sb, dst, db, first, num_tokens
 
 
@@ -444,3 +472,36 @@ def test_plan_transfer_errors():
     for s, sb, d, db, kw in cases:
         with pytest.raises(LayoutError):
             plan_transfer(s, sb, d, db, **kw)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios(), st.booleans())
+def test_opaque_blocks_move_whole_blocks(sc, on_src):
+    num_heads, p_tp, d_tp, src_kw, sb, dst_kw, db, first, n = sc
+    dst_kw = {**dst_kw, "block_size": src_kw["block_size"]}
+    bs = src_kw["block_size"]
+    first = first - first % bs
+    need_s, need_d = ceil_div(n, bs), ceil_div(n - first, bs)
+    sb = [list(range(need_s))[::-1] for _ in sb]
+    db = [list(range(need_d)) for _ in db]
+    src_kw = {**src_kw, "num_blocks": max(need_s, 1)}
+    dst_kw = {**dst_kw, "num_blocks": max(need_d, 1)}
+    heads = head_range(0, 1, num_heads)
+    src = make_layout(heads=heads, **src_kw)
+    dst = make_layout(heads=heads, **dst_kw)
+    opaque = {"opaque_blocks": True}
+    src = msgspec.structs.replace(src, **opaque) if on_src else src
+    dst = dst if on_src else msgspec.structs.replace(dst, **opaque)
+    got = plan_transfer(src, sb, dst, db, first_token=first, num_tokens=n, heads=heads)
+    whole = ceil_div(n, bs) * bs
+    assert got == reference(src, sb, dst, db, first, whole, heads)
+
+
+def test_opaque_blocks_need_equal_block_sizes():
+    a = make_layout([(0, 0, 0)], block_size=4, num_blocks=4, heads=(0, 1), token_bytes=2,
+                    order="HND")
+    b = msgspec.structs.replace(make_layout([(0, 0, 0)], block_size=8, num_blocks=4,
+                                            heads=(0, 1), token_bytes=2, order="HND"),
+                                opaque_blocks=True)
+    with pytest.raises(LayoutError, match="opaque"):
+        plan_transfer(a, [[0, 1]], b, [[0]], first_token=0, num_tokens=6, heads=(0, 1))

@@ -1,0 +1,70 @@
+"""``kv_connector_extra_config`` parsed once into a validated, frozen ``PushkvConfig``.
+
+Owns: every pushkv knob, its default and its check. No other module reads raw config
+dicts or environment variables for pushkv settings. Pure: msgspec only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from connector.core.errors import ConfigError
+from connector.core.state import ReceiverPolicy, SenderPolicy
+
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
+
+
+class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Where this instance's ranks listen for metadata (NIXL side channel). Rank r uses
+    # side_channel_port + r; 0 picks free ports (published to the router by the probe).
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    # P: how long finished blocks wait for D's registration (renewed by heartbeats).
+    lease_s: Seconds = 30.0
+    # P: longest a registration may wait for the prefill it names.
+    max_registration_ttl_s: Seconds = 600.0
+    # P: a WRITE running longer than this is cancelled and reported failed.
+    write_timeout_s: Seconds = 30.0
+    # D: from registration to the last completion; then D cancels and fails the load.
+    receive_timeout_s: Seconds = 120.0
+    # D: after a cancel, how long P has to answer before D stops waiting.
+    grace_s: Seconds = 10.0
+    heartbeat_s: Seconds = 5.0
+    # Dialing a peer's side channel (metadata exchange) gives up after this long.
+    dial_timeout_s: Seconds = 10.0
+    # Transfer-thread polling: fast while something is expected, slow when idle.
+    poll_hot_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.001
+    poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.005
+    tombstone_s: Seconds = 120.0
+
+    def sender_policy(self) -> SenderPolicy:
+        return SenderPolicy(lease_ns=_ns(self.lease_s),
+                            max_registration_ttl_ns=_ns(self.max_registration_ttl_s),
+                            write_timeout_ns=_ns(self.write_timeout_s),
+                            tombstone_ns=_ns(self.tombstone_s))
+
+    def receiver_policy(self) -> ReceiverPolicy:
+        return ReceiverPolicy(timeout_ns=_ns(self.receive_timeout_s), grace_ns=_ns(self.grace_s),
+                              heartbeat_interval_ns=_ns(self.heartbeat_s),
+                              tombstone_ns=_ns(self.tombstone_s))
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def parse_config(extra: dict[str, Any] | None) -> PushkvConfig:
+    """Validate ``kv_connector_extra_config``; unknown keys are errors (typos must show)."""
+    try:
+        cfg = msgspec.convert(extra or {}, PushkvConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    if cfg.heartbeat_s >= cfg.lease_s:
+        raise ConfigError("heartbeat_s must be shorter than lease_s, or P's lease expires "
+                          "between heartbeats")
+    if cfg.write_timeout_s >= cfg.receive_timeout_s:
+        raise ConfigError("write_timeout_s must be shorter than receive_timeout_s, so P "
+                          "answers before D gives up")
+    return cfg

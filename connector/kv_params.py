@@ -1,0 +1,117 @@
+"""The ``kv_transfer_params`` contract between the router and the connector.
+
+Owns: the strict schemas of the prefill leg (P), the decode leg (D) and the probe, and
+their parsing from the free-form dict vLLM hands over. Pure (msgspec only): the router
+builds legs with these structs, the scheduler side parses them, and a malformed dict
+becomes a ``KvParamsError`` with a message a user can act on, never an engine crash.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from connector.core.messages import Host, Name, Port, TpSize, TraceContext, TransferId
+
+Traceparent = Annotated[str, msgspec.Meta(
+    pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
+Tracestate = Annotated[str, msgspec.Meta(max_length=512)]
+
+
+class KvParamsError(ValueError):
+    """``kv_transfer_params`` is present but not usable; the message says why."""
+
+
+class PrefillLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """P leg: compute the prompt, then push its KV to whoever registers ``transfer_id``."""
+
+    do_remote_decode: bool
+    transfer_id: TransferId
+    traceparent: Traceparent | None = None
+    tracestate: Tracestate = ""
+
+    def trace(self) -> TraceContext | None:
+        return TraceContext(self.traceparent, self.tracestate) if self.traceparent else None
+
+
+class DecodeLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """D leg: allocate blocks, register them with P's ranks, decode once all have written."""
+
+    do_remote_prefill: bool
+    transfer_id: TransferId
+    remote_engine_id: Name
+    remote_host: Host
+    remote_port: Port  # rank r of P listens on remote_ports[r], or remote_port + r
+    remote_tp_size: TpSize = 1
+    remote_ports: Annotated[tuple[Port, ...], msgspec.Meta(max_length=4096)] = ()
+    remote_agents: Annotated[tuple[Name, ...], msgspec.Meta(max_length=4096)] = ()
+    traceparent: Traceparent | None = None
+    tracestate: Tracestate = ""
+
+    def port_of(self, p_rank: int) -> int:
+        return self.remote_ports[p_rank] if self.remote_ports else self.remote_port + p_rank
+
+    def agent_of(self, p_rank: int) -> str:
+        return self.remote_agents[p_rank] if self.remote_agents else agent_name(self.remote_engine_id, p_rank)
+
+    def trace(self) -> TraceContext | None:
+        return TraceContext(self.traceparent, self.tracestate) if self.traceparent else None
+
+    def validate(self) -> None:
+        if self.remote_ports and len(self.remote_ports) != self.remote_tp_size:
+            raise KvParamsError(f"remote_ports has {len(self.remote_ports)} entries for "
+                                f"remote_tp_size {self.remote_tp_size}")
+        if self.remote_agents and len(self.remote_agents) != self.remote_tp_size:
+            raise KvParamsError(f"remote_agents has {len(self.remote_agents)} entries for "
+                                f"remote_tp_size {self.remote_tp_size}")
+        if not self.remote_ports and self.remote_port + self.remote_tp_size - 1 > 65535:
+            raise KvParamsError("remote_port + remote_tp_size runs past port 65535")
+
+
+def agent_name(engine_id: str, rank: int, incarnation: str = "") -> str:
+    """The transport agent name of one rank of one engine. Workers add an incarnation
+    suffix so a restarted engine never collides with the stale metadata peers may still
+    hold under its old name (NIXL refuses to load new metadata for a known name)."""
+    base = f"{engine_id}-tp{rank}"
+    return f"{base}-{incarnation}" if incarnation else base
+
+
+def _convert(params: dict[str, Any], cls: type) -> Any:
+    try:
+        return msgspec.convert(params, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise KvParamsError(f"kv_transfer_params: {exc}") from None
+
+
+def parse_prefill_leg(params: dict[str, Any] | None) -> PrefillLeg | None:
+    """The P leg in ``params``, None if this is no P leg; KvParamsError if malformed."""
+    if not isinstance(params, dict) or not params.get("do_remote_decode"):
+        return None
+    leg = _convert(params, PrefillLeg)
+    return leg
+
+
+def parse_decode_leg(params: dict[str, Any] | None) -> DecodeLeg | None:
+    """The D leg in ``params``, None if this is no D leg; KvParamsError if malformed."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    leg: DecodeLeg = _convert(params, DecodeLeg)
+    leg.validate()
+    return leg
+
+
+def is_probe(params: dict[str, Any] | None) -> bool:
+    """The router's probe asks P for its transfer coordinates (see ``Coordinates``)."""
+    return isinstance(params, dict) and params.get("pushkv_probe") is True
+
+
+class Coordinates(msgspec.Struct, frozen=True):
+    """What P returns to the router (in its response's ``kv_transfer_params["pushkv"]``)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    ports: tuple[int, ...] = ()
+    agents: tuple[str, ...] = ()

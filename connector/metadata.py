@@ -1,0 +1,69 @@
+"""What the scheduler role tells the worker role each step, and what workers publish.
+
+Owns: plain, picklable dataclasses (vLLM pickles the step's metadata into the
+SchedulerOutput). No vLLM import: plugin.py wraps ``StepPlan`` in vLLM's metadata type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from connector.core.events import BlockTable
+from connector.kv_params import DecodeLeg, PrefillLeg
+
+
+@dataclass(frozen=True)
+class StagedPrefill:
+    """P: this step completes the prompt's KV; push it right after the forward."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: BlockTable
+    num_tokens: int
+    leg: PrefillLeg
+
+
+@dataclass(frozen=True)
+class StagedRegistration:
+    """D: blocks were allocated this step; register them with P's ranks now."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: BlockTable  # D's blocks for tokens [first_token, num_tokens)
+    first_token: int
+    num_tokens: int
+    leg: DecodeLeg
+
+
+@dataclass(frozen=True)
+class StagedAbort:
+    """A request left before its transfer ended. ``kind``:
+    - "prefill_aborted" (P): the prompt never completed; tell D not to wait;
+    - "aborted" (D): stop waiting, free blocks once no WRITE can land;
+    - "not_needed" (D): a prefix-cache hit made the transfer pointless; free P's blocks."""
+
+    transfer_id: str
+    request_id: str
+    kind: Literal["prefill_aborted", "aborted", "not_needed"]
+    leg: DecodeLeg | None
+
+
+@dataclass
+class StepPlan:
+    prefills: list[StagedPrefill] = field(default_factory=list)
+    registrations: list[StagedRegistration] = field(default_factory=list)
+    aborts: list[StagedAbort] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.prefills or self.registrations or self.aborts)
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Published by each worker at start-up (get_handshake_metadata): where its transport
+    agent listens. The scheduler role hands these to the router through the probe."""
+
+    agent: str
+    host: str
+    port: int

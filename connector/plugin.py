@@ -1,0 +1,190 @@
+"""``PushConnector``: the class vLLM loads (``kv_connector_module_path: "connector"``).
+
+A thin facade: each hook delegates to the scheduler role (scheduler_side.py) or the
+worker role (worker_side.py), chosen when vLLM builds the object. Imports only vLLM's
+connector base classes at module level; the transport (NIXL, torch) loads when a worker
+registers its KV cache, so the API server imports this cheaply.
+
+At the boundary every scheduler hook is guarded: a bug of ours is logged with the
+request id and turned into a definite, safe answer instead of killing EngineCore.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.config import parse_config
+from connector.metadata import StepPlan
+from connector.scheduler_side import SchedulerSide
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _adopt_vllm_logging() -> None:
+    """Our modules log under "connector.*" with the stdlib; show them where vLLM's go."""
+    ours, theirs = logging.getLogger("connector"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+class PushkvMetadata(KVConnectorMetadata):
+    """One step's plan, pickled by vLLM from the scheduler to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def inner(self: Any, *args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:  # the boundary: never let our bug kill the engine
+                rid = getattr(args[0], "request_id", "?") if args else "?"
+                logger.exception("pushkv %s failed (request %s)", fn.__name__, rid)
+                return default(*args)
+        return inner
+    return wrap
+
+
+class PushConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _adopt_vllm_logging()
+        ktc = vllm_config.kv_transfer_config
+        if not ktc.engine_id:
+            raise ValueError("pushkv needs a stable engine_id in --kv-transfer-config")
+        self._cfg = parse_config(ktc.kv_connector_extra_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from connector.worker_side import WorkerSide
+
+            groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+            group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
+            self._worker = WorkerSide(
+                self._cfg, ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer,
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                logical_block_size=vllm_config.cache_config.block_size, group_of=group_of)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # [blocks, heads, tokens, K|V]: one contiguous page per (layer, block), so a
+        # block transfers as one descriptor and contiguous runs merge.
+        model = getattr(vllm_config, "model_config", None)
+        if model is not None and model.use_mla:
+            raise NotImplementedError("pushkv does not support MLA models yet")
+        return "LBHNC"
+
+    # ================================================================ scheduler role
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._sched is not None
+        self._sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        assert self._sched is not None
+        self._sched.set_handshakes(metadata)
+
+    @_guard(lambda *a: None)
+    def on_new_request(self, request: Any) -> None:
+        assert self._sched is not None
+        self._sched.on_new_request(request)
+
+    @_guard(lambda *a: (0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    @_guard(lambda *a: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        try:
+            return PushkvMetadata(self._sched.build_connector_meta(scheduler_output))
+        except Exception:
+            logger.exception("pushkv build_connector_meta failed")
+            return PushkvMetadata(StepPlan())
+
+    @_guard(lambda *a: None)
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    @_guard(lambda *a: (False, None))
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_push_work()
+
+    # ================================================================ worker role
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, PushkvMetadata)
+        self._worker.bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass  # D's loads are pushed into it; the registration went out in bind
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # P pushes whole prompts from the transfer thread, never per layer
+
+    def wait_for_save(self) -> None:
+        self._worker.after_forward()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, received, failed = self._worker.take_results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
+                                          failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,203 @@
+"""The P and D servers as the router sees them: one HTTP client each, health, coordinates.
+
+Owns: ``Role``, ``Backend``, ``Lease`` (one leg's claim on a backend's outstanding count),
+and ``Backends``: the per-backend ``httpx.AsyncClient`` (created in ``start``, closed in
+``stop``: the app's lifespan calls both), the background health loop and the probe that
+teaches the router each P's transfer coordinates in push mode. Choice itself is
+``policy.choose``.
+
+Must not import: starlette, uvicorn, ``connector.router.app`` / ``relay``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from connector.core.errors import RemoteProtocolError
+from connector.router import legs
+from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig
+from connector.router.policy import BackendLoad, choose, unavailable_reason
+
+logger = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class Backend:
+    role: Role
+    index: int
+    url: str
+    load: BackendLoad
+    override: CoordOverride = field(default_factory=CoordOverride)
+    # P only: where D reaches this P's KV (flags, probe, or both). None: not known yet.
+    coords: PrefillCoords | None = None
+    client: httpx.AsyncClient | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role.value}[{self.index}] {self.url}"
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError(f"{self.name}: router not started (no HTTP client)")
+        return self.client
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index, "url": self.url, "health": self.load.health.value,
+            "eligible": self.load.eligible, "outstanding": self.load.outstanding,
+            "dispatched": self.load.dispatched, "failed": self.load.failed,
+        }
+        if self.role is Role.PREFILL:
+            out["ready"] = self.load.ready
+            out["coords"] = self.coords.as_dict() if self.coords else None
+        return out
+
+
+class Lease:
+    """One leg's claim on a backend. ``release`` is idempotent, so every exit path (normal,
+    error, cancellation before the leg's task even ran) may call it."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._held = True
+        backend.load.begin_leg()
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.backend.load.end_leg()
+
+
+class Backends:
+    """All P and D backends of one router."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._probing = config.mode is Mode.PUSH
+        self.prefill: list[Backend] = []
+        for i, (url, override) in enumerate(zip(config.prefill_urls, config.prefill_overrides)):
+            coords = override.apply(None)
+            ready = coords is not None or not self._probing
+            self.prefill.append(Backend(Role.PREFILL, i, url, BackendLoad(i, ready=ready),
+                                        override=override, coords=coords))
+        self.decode = [Backend(Role.DECODE, i, url, BackendLoad(i))
+                       for i, url in enumerate(config.decode_urls)]
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def all(self) -> list[Backend]:
+        return self.prefill + self.decode
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the clients, run one health round (so a router whose backends are up is
+        ready when it starts listening), then keep checking in the background."""
+        c = self.config
+        for b in self.all:
+            b.client = httpx.AsyncClient(
+                base_url=b.url,
+                timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
+                limits=httpx.Limits(max_connections=c.max_connections,
+                                    max_keepalive_connections=c.max_connections),
+                # Never route P/D traffic through an HTTP(S)_PROXY from the environment.
+                trust_env=False,
+            )
+        await self.check_all()
+        self._loop_task = asyncio.create_task(self._health_loop(), name="pushkv-router-health")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        clients = [b.client for b in self.all if b.client is not None]
+        await asyncio.gather(*(cl.aclose() for cl in clients), return_exceptions=True)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)  # the schedule, not a sync
+            await self.check_all()
+
+    # -- health and probe --------------------------------------------------------------
+
+    async def check_all(self) -> None:
+        """One health round over every backend (concurrently)."""
+        await asyncio.gather(*(self._check(b) for b in self.all))
+
+    async def _check(self, b: Backend) -> None:
+        before = b.load.health
+        try:
+            r = await b.http.get("/health", timeout=self.config.health_timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        came_back = b.load.record_health(ok)
+        if b.load.health is not before:
+            log = logger.info if ok else logger.warning
+            log("router backend %s: %s -> %s", b.name, before.value, b.load.health.value)
+        if b.role is not Role.PREFILL or not self._probing or b.override.complete:
+            return
+        if not ok:
+            # A P that went away may come back as a new engine: forget what it told us.
+            b.coords, b.load.ready = None, False
+        elif came_back or b.coords is None:
+            probed = await self._probe(b)
+            b.coords = b.override.apply(probed)
+            b.load.ready = b.coords is not None
+            if b.coords is not None:
+                logger.info("router backend %s: transfer coordinates %s", b.name,
+                            b.coords.as_dict())
+
+    async def _probe(self, b: Backend) -> PrefillCoords | None:
+        """Ask P (pushkv's connector) where its KV lives: a one-token completion whose
+        answer carries ``kv_transfer_params.pushkv``."""
+        t = self.config.probe_timeout_s
+        try:
+            r = await b.http.get("/v1/models", timeout=t)
+            r.raise_for_status()
+            model = legs.parse_models_response(r.json())
+            r = await b.http.post("/v1/completions", json=legs.probe_body(model), timeout=t,
+                                  headers={"X-Request-Id": f"pushkv-probe-{uuid.uuid4().hex}"})
+            r.raise_for_status()
+            return legs.parse_probe_response(r.json())
+        except (httpx.HTTPError, ValueError, RemoteProtocolError) as exc:
+            logger.warning("router backend %s: probe failed: %s", b.name, exc)
+            return None
+
+    # -- choice ------------------------------------------------------------------------
+
+    def acquire(self, role: Role) -> Lease | None:
+        """Choose a backend for one leg and count the leg at once (before any await), so
+        concurrent requests see each other."""
+        pool = self.prefill if role is Role.PREFILL else self.decode
+        picked = choose(b.load for b in pool)
+        return Lease(pool[picked.index]) if picked is not None else None
+
+    def pick(self, role: Role) -> Backend | None:
+        """A backend for a request that is not a leg (``/v1/models``): not counted."""
+        pool = self.prefill if role is Role.PREFILL else self.decode
+        picked = choose(b.load for b in pool)
+        return pool[picked.index] if picked is not None else None
+
+    def unavailable_reason(self) -> str | None:
+        return unavailable_reason([b.load for b in self.prefill], [b.load for b in self.decode])
+
+    def stats(self) -> dict[str, Any]:
+        return {"prefill": [b.stats() for b in self.prefill],
+                "decode": [b.stats() for b in self.decode]}

@@ -1,0 +1,220 @@
+"""The router's configuration: one validated, frozen ``RouterConfig``, and its CLI parser.
+
+Owns: ``Mode``, ``PrefillCoords`` (where D must reach P's KV), ``CoordOverride`` (the
+``--prefill-*`` flags of one P), ``RouterConfig`` and ``parse_args``. Nothing else in the
+router reads raw flags.
+
+Must not import: httpx, starlette, uvicorn, vLLM, NIXL (this is plain data; the CLI parses
+it before anything heavy is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from connector.core.errors import ConfigError
+
+
+class Mode(enum.Enum):
+    """Which connector the P and D servers run, hence how the two legs are built and sent."""
+
+    PUSH = "push"  # pushkv's PushConnector: legs at the same moment, coordinates probed
+    VLLM_PUSH = "vllm-push"  # vLLM's NixlPushConnector: legs at the same moment, coordinates from flags
+    PULL = "pull"  # vLLM's NixlConnector: P first, then D with P's returned kv_transfer_params
+
+
+@dataclass(frozen=True)
+class PrefillCoords:
+    """Where a D engine finds one P engine's KV (its side channel). ``ports`` / ``agents``
+    name each P rank's listener and transport agent when P reports them (pushkv's probe
+    does); empty means rank r listens on ``port + r`` under the default agent name."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    ports: tuple[int, ...] = ()
+    agents: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"engine_id": self.engine_id, "host": self.host,
+                               "port": self.port, "tp_size": self.tp_size}
+        if self.ports:
+            out["ports"] = list(self.ports)
+        if self.agents:
+            out["agents"] = list(self.agents)
+        return out
+
+
+@dataclass(frozen=True)
+class CoordOverride:
+    """The ``--prefill-*`` flags of one P. A field left ``None`` comes from the probe."""
+
+    engine_id: str | None = None
+    host: str | None = None
+    port: int | None = None
+    tp_size: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """All four set: no probe is needed for this P."""
+        return None not in (self.engine_id, self.host, self.port, self.tp_size)
+
+    @property
+    def empty(self) -> bool:
+        return (self.engine_id, self.host, self.port, self.tp_size) == (None, None, None, None)
+
+    def apply(self, probed: PrefillCoords | None) -> PrefillCoords | None:
+        """Flags win over what the probe learned; ``None`` if something is still unknown."""
+        e, h, p, t = self.engine_id, self.host, self.port, self.tp_size
+        if e is not None and h is not None and p is not None and t is not None:
+            return PrefillCoords(e, h, p, t)
+        if probed is None:
+            return None
+        out = replace(
+            probed,
+            **{k: v for k, v in (("engine_id", self.engine_id), ("host", self.host),
+                                 ("port", self.port), ("tp_size", self.tp_size)) if v is not None},
+        )
+        # Per-rank lists that a changed field invalidates: ports follow the port, agent
+        # names the engine id, and both the TP size.
+        if out.port != probed.port or out.tp_size != probed.tp_size:
+            out = replace(out, ports=())
+        if out.engine_id != probed.engine_id or out.tp_size != probed.tp_size:
+            out = replace(out, agents=())
+        return out
+
+
+def _check_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"backend URL must start with http:// or https://, got {url!r}")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; validated once, here."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    mode: Mode = Mode.PUSH
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # One per prefill URL (empty tuple: no overrides anywhere).
+    prefill_overrides: tuple[CoordOverride, ...] = ()
+    timeout_s: float = 300.0  # per leg: P's whole leg; D's time to headers and between bytes
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    probe_timeout_s: float = 30.0
+    # Per backend. Each routed request holds one connection to its P and one to its D; the
+    # head-room over ~64 concurrent requests covers health checks, probes and /v1/models.
+    max_connections: int = 80
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls:
+            raise ConfigError("at least one --prefill URL is required")
+        if not self.decode_urls:
+            raise ConfigError("at least one --decode URL is required")
+        object.__setattr__(self, "prefill_urls", tuple(_check_url(u) for u in self.prefill_urls))
+        object.__setattr__(self, "decode_urls", tuple(_check_url(u) for u in self.decode_urls))
+        overrides = self.prefill_overrides or tuple(CoordOverride() for _ in self.prefill_urls)
+        if len(overrides) != len(self.prefill_urls):
+            raise ConfigError(f"{len(overrides)} prefill overrides for "
+                              f"{len(self.prefill_urls)} prefill URLs")
+        object.__setattr__(self, "prefill_overrides", tuple(overrides))
+        for name in ("timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
+                     "probe_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be >= 1")
+        for o in self.prefill_overrides:
+            if o.port is not None and not 0 < o.port < 65536:
+                raise ConfigError(f"--prefill-kv-port out of range: {o.port}")
+            if o.tp_size is not None and o.tp_size < 1:
+                raise ConfigError(f"--prefill-tp-size must be >= 1: {o.tp_size}")
+        if self.mode is Mode.VLLM_PUSH:
+            # vLLM's push D reads these by index (a missing key kills its EngineCore), and
+            # NixlPushConnector has no probe: they must come from the flags.
+            missing = [url for url, o in zip(self.prefill_urls, self.prefill_overrides)
+                       if not o.complete]
+            if missing:
+                raise ConfigError(
+                    "--mode vllm-push needs --prefill-engine-id, --prefill-kv-host and "
+                    f"--prefill-kv-port for every prefill server; incomplete for {missing}")
+
+
+def _broadcast(name: str, values: Sequence[object] | None, n: int) -> list[object | None]:
+    """One value per --prefill URL, or one for all."""
+    if not values:
+        return [None] * n
+    if len(values) == 1:
+        return list(values) * n
+    if len(values) != n:
+        raise ConfigError(f"--{name}: give one value, or one per --prefill URL ({n}); "
+                          f"got {len(values)}")
+    return list(values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pushkv router",
+        description="OpenAI-compatible front for disaggregated prefill (P) / decode (D) vLLM "
+                    "servers: picks D before prefill, sends both legs, streams D's answer.")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="base URL of each prefill vLLM server (http://host:port)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="base URL of each decode vLLM server")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PUSH.value)
+    g = p.add_argument_group("prefill transfer coordinates (override the probe; one value "
+                             "per --prefill URL or one for all)")
+    g.add_argument("--prefill-engine-id", nargs="+", metavar="ID")
+    g.add_argument("--prefill-kv-host", nargs="+", metavar="HOST")
+    g.add_argument("--prefill-kv-port", nargs="+", type=int, metavar="PORT")
+    g.add_argument("--prefill-tp-size", nargs="+", type=int, metavar="N")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-leg timeout, s")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--health-timeout", type=float, default=1.0)
+    p.add_argument("--probe-timeout", type=float, default=30.0)
+    p.add_argument("--max-connections", type=int, default=80, help="per backend")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> RouterConfig:
+    """Parse the arguments after ``pushkv router``. Exits (argparse's way) on bad input."""
+    parser = build_parser()
+    a = parser.parse_args(list(argv))
+    try:
+        n = len(a.prefill)
+        ids = _broadcast("prefill-engine-id", a.prefill_engine_id, n)
+        hosts = _broadcast("prefill-kv-host", a.prefill_kv_host, n)
+        ports = _broadcast("prefill-kv-port", a.prefill_kv_port, n)
+        tps = _broadcast("prefill-tp-size", a.prefill_tp_size, n)
+        mode = Mode(a.mode)
+        overrides = []
+        for i in range(n):
+            tp = tps[i]
+            if mode is Mode.VLLM_PUSH and tp is None:
+                tp = 1  # vLLM's own proxy defaults --prefill-tp-size to 1 as well
+            overrides.append(CoordOverride(ids[i], hosts[i], ports[i], tp))  # type: ignore[arg-type]
+        return RouterConfig(
+            prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), mode=mode,
+            host=a.host, port=a.port, prefill_overrides=tuple(overrides),
+            timeout_s=a.timeout, connect_timeout_s=a.connect_timeout,
+            health_interval_s=a.health_interval, health_timeout_s=a.health_timeout,
+            probe_timeout_s=a.probe_timeout, max_connections=a.max_connections,
+            log_level=a.log_level)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,235 @@
+"""What the router sends: client-body validation, the P and D leg bodies per mode, leg
+headers, ids, the probe. Pure: no I/O.
+
+Owns: ``Endpoint``, ``InvalidRequest``, ``parse_client_body``, ``prefill_body``,
+``decode_body``, ``leg_headers``, ``new_transfer_id``, ``new_traceparent`` (the one place a
+trace context is made; a real OpenTelemetry span replaces its body later), ``probe_body`` /
+``parse_probe_response``.
+
+Must not import: httpx, starlette, asyncio.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import json
+import re
+import secrets
+import uuid
+from typing import Any
+
+from connector.core.errors import PushkvError, RemoteProtocolError
+from connector.router.config import CoordOverride, Mode, PrefillCoords
+
+JsonObj = dict[str, Any]
+
+
+class Endpoint(enum.Enum):
+    """The two generation endpoints; the value is (path, the key that must be present)."""
+
+    COMPLETIONS = ("/v1/completions", "prompt")
+    CHAT = ("/v1/chat/completions", "messages")
+
+    @property
+    def path(self) -> str:
+        return self.value[0]
+
+    @property
+    def required_key(self) -> str:
+        return self.value[1]
+
+
+class InvalidRequest(PushkvError):
+    """The client's body cannot be routed (answered 400, never forwarded)."""
+
+
+def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    key = endpoint.required_key
+    if key not in body:
+        raise InvalidRequest(f"missing required field {key!r}")
+    value = body[key]
+    if endpoint is Endpoint.CHAT:
+        if not isinstance(value, list) or not value:
+            raise InvalidRequest("'messages' must be a non-empty list")
+    elif isinstance(value, list):
+        if not value:
+            raise InvalidRequest("'prompt' must not be empty")
+        # A list of strings or of token lists is a batch: vLLM makes one engine request
+        # per prompt, and one transfer_id cannot pair several (list[int] is one prompt).
+        if len(value) > 1 and not all(isinstance(t, int) for t in value):
+            raise InvalidRequest("batched prompts are not supported by the router; "
+                                 "send one prompt per request")
+    elif not isinstance(value, str):
+        raise InvalidRequest("'prompt' must be a string or a list")
+    if "kv_transfer_params" in body:
+        raise InvalidRequest("'kv_transfer_params' is set by the router, not by clients")
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        raise InvalidRequest("n > 1 / best_of > 1 are not supported in disaggregated serving")
+    if not isinstance(body.get("stream", False), bool):
+        raise InvalidRequest("'stream' must be a boolean")
+    return body
+
+
+def new_transfer_id() -> str:
+    """Fresh per dispatch: a retry gets a new one (design §3)."""
+    return uuid.uuid4().hex
+
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def new_traceparent(incoming: str | None = None) -> str:
+    """A W3C traceparent for this request: the client's trace id if it sent a valid one,
+    else a fresh one, and always a fresh parent id (the router's own span)."""
+    trace_id = None
+    if incoming:
+        m = _TRACEPARENT.match(incoming.strip().lower())
+        if m and m[1] != "ff" and m[2] != "0" * 32 and m[3] != "0" * 16:
+            trace_id = m[2]
+    trace_id = trace_id or secrets.token_hex(16)
+    span_id = secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01"
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (vLLM builds engine request ids from
+    it), else a fresh uuid."""
+    if header and _REQUEST_ID.match(header):
+        return header
+    return uuid.uuid4().hex
+
+
+def leg_headers(request_id: str, traceparent: str, authorization: str | None) -> dict[str, str]:
+    """Both legs carry the same ids, so P's and D's logs and spans line up."""
+    headers = {"X-Request-Id": request_id, "traceparent": traceparent}
+    if authorization:
+        headers["Authorization"] = authorization
+    return headers
+
+
+def prefill_body(mode: Mode, endpoint: Endpoint, body: JsonObj, *, transfer_id: str,
+                 traceparent: str) -> JsonObj:
+    """P's leg: prefill only (one token), never streamed."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if endpoint is Endpoint.CHAT and "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    # vLLM rejects stream_options without stream, and min_tokens above max_tokens.
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    params: JsonObj = {"do_remote_decode": True, "do_remote_prefill": False}
+    if mode is Mode.PUSH:
+        params.update(transfer_id=transfer_id, traceparent=traceparent)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def decode_body(mode: Mode, body: JsonObj, *, transfer_id: str, traceparent: str,
+                request_id: str, coords: PrefillCoords | None = None,
+                prefill_params: JsonObj | None = None) -> JsonObj:
+    """D's leg: the client's body plus what D needs to receive the KV. ``coords`` for the
+    push modes; ``prefill_params`` (P's returned ``kv_transfer_params``) for pull."""
+    out = copy.deepcopy(body)
+    if mode is Mode.PULL:
+        if prefill_params is None:
+            raise ValueError("pull mode needs P's kv_transfer_params")
+        out["kv_transfer_params"] = copy.deepcopy(prefill_params)
+        return out
+    if coords is None:
+        raise ValueError(f"{mode.value} mode needs P's transfer coordinates")
+    if mode is Mode.PUSH:
+        out["kv_transfer_params"] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
+            "remote_engine_id": coords.engine_id, "remote_host": coords.host,
+            "remote_port": coords.port, "remote_tp_size": coords.tp_size,
+            "traceparent": traceparent,
+        }
+        if coords.ports:
+            out["kv_transfer_params"]["remote_ports"] = list(coords.ports)
+        if coords.agents:
+            out["kv_transfer_params"]["remote_agents"] = list(coords.agents)
+    else:  # vLLM's NixlPushConnector reads these keys by index (reference §2.1).
+        out["kv_transfer_params"] = {
+            "do_remote_decode": False, "do_remote_prefill": True,
+            "remote_engine_id": coords.engine_id, "remote_host": coords.host,
+            "remote_port": coords.port, "tp_size": coords.tp_size, "pp_size": 1,
+            "remote_request_id": request_id, "transfer_id": transfer_id,
+        }
+    return out
+
+
+def vllm_transfer_id() -> str:
+    """vLLM's push demo proxy's form (not read by vLLM 0.32; kept for its logs)."""
+    return f"xfer-{uuid.uuid4()}"
+
+
+def apply_pull_overrides(params: JsonObj, override: CoordOverride) -> JsonObj:
+    """Pull mode: the ``--prefill-*`` flags replace what P reported (P may advertise an
+    address D cannot reach; vLLM's own proxy rewrites ``remote_host`` for the same reason)."""
+    out = dict(params)
+    for key, value in (("remote_engine_id", override.engine_id), ("remote_host", override.host),
+                       ("remote_port", override.port), ("tp_size", override.tp_size)):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+PROBE_PROMPT = "probe"
+
+
+def probe_body(model: str) -> JsonObj:
+    return {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {"pushkv_probe": True}}
+
+
+def parse_models_response(obj: Any) -> str:
+    """The first model id of an OpenAI ``/v1/models`` answer."""
+    try:
+        model = obj["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise RemoteProtocolError(f"/v1/models answer has no model id: {obj!r:.200}") from None
+    if not isinstance(model, str):
+        raise RemoteProtocolError(f"/v1/models model id is not a string: {model!r}")
+    return model
+
+
+def parse_probe_response(obj: Any) -> PrefillCoords:
+    """P's answer to the probe carries ``kv_transfer_params.pushkv`` = its coordinates
+    (``connector.kv_params.Coordinates``: optional per-rank ``ports`` and ``agents``)."""
+    try:
+        c = obj["kv_transfer_params"]["pushkv"]
+        engine_id, host, port, tp_size = c["engine_id"], c["host"], c["port"], c["tp_size"]
+        ports, agents = c.get("ports") or [], c.get("agents") or []
+    except (KeyError, TypeError, AttributeError):
+        raise RemoteProtocolError(
+            f"probe answer lacks kv_transfer_params.pushkv: {obj!r:.300}") from None
+    if not (isinstance(engine_id, str) and isinstance(host, str) and engine_id and host):
+        raise RemoteProtocolError(f"probe answer: bad engine_id/host: {c!r:.300}")
+    if not _is_port(port) or not _is_int(tp_size) or tp_size < 1:
+        raise RemoteProtocolError(f"probe answer: bad port/tp_size: {c!r:.300}")
+    if not isinstance(ports, list) or not all(_is_port(x) for x in ports) or (
+            ports and len(ports) != tp_size):
+        raise RemoteProtocolError(f"probe answer: bad ports for tp_size {tp_size}: {c!r:.300}")
+    if not isinstance(agents, list) or not all(isinstance(x, str) and x for x in agents) or (
+            agents and len(agents) != tp_size):
+        raise RemoteProtocolError(f"probe answer: bad agents for tp_size {tp_size}: {c!r:.300}")
+    return PrefillCoords(engine_id, host, port, tp_size, tuple(ports), tuple(agents))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_port(x: Any) -> bool:
+    return _is_int(x) and 0 < x < 65536

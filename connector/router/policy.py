@@ -1,0 +1,83 @@
+"""Backend choice and health bookkeeping: pure, no I/O, no clocks, no asyncio.
+
+Owns: ``Health`` (one state per backend, never membership in several sets), ``BackendLoad``
+(the numbers the policy reads), ``choose`` (least outstanding among eligible backends) and
+``unavailable_reason``. The I/O side (``backends.py``) feeds it health results and leg
+outcomes; the request path asks it whom to use.
+
+Must not import: httpx, starlette, asyncio, or anything else of the router.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"  # not checked yet: not used
+    HEALTHY = "healthy"  # last /health answered 200
+    SUSPECT = "suspect"  # healthy, but a leg failed since: not used until the next good check
+    DOWN = "down"  # last /health failed
+
+
+@dataclass
+class BackendLoad:
+    """The policy's view of one backend. Mutated only through its methods."""
+
+    index: int
+    health: Health = Health.UNKNOWN
+    # False while a push-mode P's transfer coordinates are unknown (not probed yet).
+    ready: bool = True
+    outstanding: int = 0  # legs sent and not finished
+    dispatched: int = 0  # legs ever sent
+    failed: int = 0  # legs that ended in an error (any kind)
+
+    @property
+    def eligible(self) -> bool:
+        return self.health is Health.HEALTHY and self.ready
+
+    def record_health(self, ok: bool) -> bool:
+        """Apply one health-check result. True when the backend just became healthy
+        (from unknown, down or suspect): the caller re-learns what a restart may change."""
+        came_back = ok and self.health is not Health.HEALTHY
+        self.health = Health.HEALTHY if ok else Health.DOWN
+        return came_back
+
+    def record_leg_failure(self, *, suspect: bool) -> None:
+        """A leg failed. ``suspect`` for failures of the backend (connect, timeout, 5xx,
+        broken stream), not for requests it rightly refused (4xx)."""
+        self.failed += 1
+        if suspect and self.health is Health.HEALTHY:
+            self.health = Health.SUSPECT
+
+    def begin_leg(self) -> None:
+        self.outstanding += 1
+        self.dispatched += 1
+
+    def end_leg(self) -> None:
+        if self.outstanding <= 0:
+            raise ValueError(f"backend {self.index}: end_leg without begin_leg")
+        self.outstanding -= 1
+
+
+def choose(loads: Iterable[BackendLoad]) -> BackendLoad | None:
+    """Least outstanding legs among eligible backends. Ties go to the one that has served
+    fewer legs so far (so a sequential client still spreads), then to the lower index.
+    ``None`` when no backend is eligible."""
+    return min((b for b in loads if b.eligible),
+               key=lambda b: (b.outstanding, b.dispatched, b.index), default=None)
+
+
+def unavailable_reason(prefill: Sequence[BackendLoad], decode: Sequence[BackendLoad]) -> str | None:
+    """Why no request can be routed now, or ``None`` when at least one P and one D are
+    eligible."""
+    reasons = []
+    for role, loads in (("prefill", prefill), ("decode", decode)):
+        if not any(b.eligible for b in loads):
+            states = ", ".join(
+                f"{role}[{b.index}]={b.health.value}{'' if b.ready else ' (not probed)'}"
+                for b in loads)
+            reasons.append(f"no healthy {role} server ({states})")
+    return "; ".join(reasons) or None

@@ -1,0 +1,364 @@
+"""One routed request: its two legs, their failure and cancellation rules, and relaying D's
+answer to the client as raw ASGI messages.
+
+Owns: ``UpstreamError`` (a failed leg and the answer it becomes), ``PrefillWatch`` (cancels
+the D operation in progress when the P leg fails) and ``Dispatch``:
+- push / vllm-push: P's task and D's request start at the same moment; D's answer is relayed
+  while P is watched. P failing first cancels D (closing its connection: vLLM aborts the
+  request) and answers P's error; D failing cancels P. D finishing first leaves P to end in
+  the background (its own deadline bounds it).
+- pull: P, then D with P's returned ``kv_transfer_params``.
+The caller (``app.py``) runs ``Dispatch.serve`` under a cancel scope that fires when the
+client disconnects; cleanup then closes both legs.
+
+Must not import: uvicorn, ``connector.router.app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from typing import Any, Final, TypeVar
+
+import anyio
+import httpx
+from starlette.types import Send
+
+from connector.core.errors import PushkvError
+from connector.router import legs
+from connector.router.backends import Backend, Lease
+from connector.router.config import Mode, RouterConfig
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class UpstreamError(PushkvError):
+    """A leg failed. ``body`` is the backend's own error body when it answered an error
+    status (passed through as is); otherwise the router writes an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, *, backend: str | None = None,
+                 body: bytes | None = None, content_type: str | None = None,
+                 suspect: bool = True) -> None:
+        super().__init__(message)
+        self.status, self.message, self.backend = status, message, backend
+        self.body, self.content_type, self.suspect = body, content_type, suspect
+
+    def error_json(self) -> dict[str, Any]:
+        kind = {502: "upstream_error", 503: "service_unavailable", 504: "upstream_timeout"}
+        return {"error": {"message": self.message, "type": kind.get(self.status, "upstream_error"),
+                          "code": self.status, "backend": self.backend}}
+
+    def http_body(self) -> tuple[bytes, str]:
+        if self.body is not None:
+            return self.body, self.content_type or "application/json"
+        return json.dumps(self.error_json()).encode(), "application/json"
+
+    def sse(self) -> bytes:
+        """How a stream that already started ends when a leg fails."""
+        return b"data: " + json.dumps(self.error_json()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def from_exception(exc: BaseException, backend: Backend, what: str) -> UpstreamError:
+    """Map a transport failure to the answer the client gets: timeout 504, else 502."""
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return UpstreamError(502, f"cannot connect to {backend.name} ({what}): {exc}",
+                             backend=backend.name)
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+        return UpstreamError(504, f"{backend.name} timed out ({what})", backend=backend.name)
+    return UpstreamError(502, f"{backend.name} failed ({what}): {exc!r}", backend=backend.name)
+
+
+def _from_status(resp: httpx.Response, body: bytes, backend: Backend, what: str) -> UpstreamError:
+    return UpstreamError(resp.status_code, f"{backend.name} answered {resp.status_code} ({what})",
+                         backend=backend.name, body=body,
+                         content_type=resp.headers.get("content-type"),
+                         suspect=resp.status_code >= 500)
+
+
+async def post_json(backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
+                    deadline_s: float, what: str) -> dict[str, Any]:
+    """One non-streamed leg with a whole-leg deadline; returns the JSON answer."""
+    try:
+        try:
+            async with asyncio.timeout(deadline_s):
+                resp = await backend.http.post(path, json=body, headers=headers)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise from_exception(exc, backend, what) from exc
+        if resp.status_code >= 400:
+            raise _from_status(resp, resp.content, backend, what)
+        try:
+            answer = resp.json()
+        except ValueError:
+            raise UpstreamError(502, f"{backend.name} sent invalid JSON ({what})",
+                                backend=backend.name) from None
+        if not isinstance(answer, dict):
+            raise UpstreamError(502, f"{backend.name} sent a non-object ({what})",
+                                backend=backend.name)
+        return answer
+    except UpstreamError as err:
+        backend.load.record_leg_failure(suspect=err.suspect)
+        logger.warning("router %s leg failed: %s", what, err.message)
+        raise
+
+
+async def open_stream(backend: Backend, path: str, body: dict[str, Any],
+                      headers: dict[str, str], what: str) -> httpx.Response:
+    """Send a leg and return once its status and headers are in (body not read yet). An
+    error status is read whole and raised as ``UpstreamError`` (passed through)."""
+    client = backend.http
+    try:
+        resp = await client.send(client.build_request("POST", path, json=body, headers=headers),
+                                 stream=True)
+    except httpx.HTTPError as exc:
+        err = from_exception(exc, backend, what)
+    else:
+        if resp.status_code < 400:
+            return resp
+        try:
+            err = _from_status(resp, await resp.aread(), backend, what)
+        except httpx.HTTPError as exc:
+            err = from_exception(exc, backend, what)
+        finally:
+            await _close(resp)
+    backend.load.record_leg_failure(suspect=err.suspect)
+    logger.warning("router %s leg failed: %s", what, err.message)
+    raise err
+
+
+async def _close(resp: httpx.Response | None) -> None:
+    if resp is not None:
+        # Shielded: this runs on cancellation paths too, and must close the connection
+        # (that is what tells vLLM to abort the request).
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+
+
+class _PrefillFailed:
+    """Returned by ``PrefillWatch.run`` instead of a value when the P leg failed."""
+
+
+PREFILL_FAILED: Final = _PrefillFailed()
+
+
+class PrefillWatch:
+    """Runs D-side awaits that the P leg's failure interrupts. With no P task (pull, or P
+    already finished) it just awaits."""
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.failure: UpstreamError | None = None
+        self._scope: anyio.CancelScope | None = None
+        if task is not None:
+            task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return  # we cancelled it: D failed or the client left; nothing to report
+        exc = task.exception()  # also marks it retrieved
+        if exc is None:
+            return
+        self.failure = exc if isinstance(exc, UpstreamError) else UpstreamError(
+            502, f"prefill leg failed: {exc!r}")
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def run(self, aw: Awaitable[T]) -> T | _PrefillFailed:
+        if self.failure is not None:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            return PREFILL_FAILED
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                return await aw
+            finally:
+                self._scope = None
+        return PREFILL_FAILED  # only reached when the scope caught our own cancel
+
+
+class Dispatch:
+    """One client request routed to one P and one D."""
+
+    def __init__(self, config: RouterConfig, endpoint: legs.Endpoint, body: dict[str, Any],
+                 p: Lease, d: Lease, *, request_id: str, traceparent: str,
+                 authorization: str | None, background: set[asyncio.Task[Any]]) -> None:
+        self.config, self.endpoint, self.body = config, endpoint, body
+        self.p, self.d = p, d
+        self.request_id, self.traceparent = request_id, traceparent
+        self.headers = legs.leg_headers(request_id, traceparent, authorization)
+        self.stream = bool(body.get("stream", False))
+        mode = config.mode
+        self.transfer_id = (legs.vllm_transfer_id() if mode is Mode.VLLM_PUSH
+                            else legs.new_transfer_id())
+        self._background = background
+        self._p_task: asyncio.Task[dict[str, Any]] | None = None
+        self._d_resp: httpx.Response | None = None
+        self._d_done = False  # D's whole answer has been relayed
+
+    # -- the two legs ------------------------------------------------------------------
+
+    async def _prefill(self) -> dict[str, Any]:
+        body = legs.prefill_body(self.config.mode, self.endpoint, self.body,
+                                 transfer_id=self.transfer_id, traceparent=self.traceparent)
+        p = self.p.backend
+        answer = await post_json(p, self.endpoint.path, body, self.headers,
+                                 self.config.timeout_s, f"prefill transfer_id={self.transfer_id}")
+        params = answer.get("kv_transfer_params")
+        if self.config.mode is Mode.PUSH and isinstance(params, dict) and "pushkv_error" in params:
+            # pushkv's P computed the prompt but refused the transfer: D would wait for KV
+            # that never comes. Fail the request now.
+            p.load.record_leg_failure(suspect=False)
+            raise UpstreamError(502, f"{p.name} refused transfer {self.transfer_id}: "
+                                     f"{params['pushkv_error']}", backend=p.name)
+        return answer
+
+    def _decode(self, body: dict[str, Any]) -> Awaitable[httpx.Response]:
+        return open_stream(self.d.backend, self.endpoint.path, body, self.headers,
+                           f"decode transfer_id={self.transfer_id}")
+
+    def _decode_body(self, prefill_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        return legs.decode_body(self.config.mode, self.body, transfer_id=self.transfer_id,
+                                traceparent=self.traceparent, request_id=self.request_id,
+                                coords=self.p.backend.coords, prefill_params=prefill_params)
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def serve(self, send: Send) -> None:
+        """Answer the client through ``send``; always leaves both legs closed or (P only,
+        after D finished) running to its own deadline."""
+        try:
+            await self._serve(send)
+        finally:
+            await self._cleanup()
+
+    async def _serve(self, send: Send) -> None:
+        logger.debug("router dispatch request_id=%s transfer_id=%s P=%s D=%s", self.request_id,
+                     self.transfer_id, self.p.backend.name, self.d.backend.name)
+        if self.config.mode is Mode.PULL:
+            try:
+                answer = await self._prefill()
+            except UpstreamError as err:
+                return await _send_error(send, err, self.request_id)
+            finally:
+                self.p.release()
+            params = answer.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                err = UpstreamError(502, f"{self.p.backend.name} returned no kv_transfer_params",
+                                    backend=self.p.backend.name)
+                self.p.backend.load.record_leg_failure(suspect=True)
+                return await _send_error(send, err, self.request_id)
+            params = legs.apply_pull_overrides(params, self.p.backend.override)
+            watch = PrefillWatch(None)
+            decode = self._decode(self._decode_body(params))
+        else:
+            # Both legs leave now. The P leg is a task so that D's relay can watch it.
+            self._p_task = asyncio.create_task(self._prefill(), name=f"prefill-{self.transfer_id}")
+            self._p_task.add_done_callback(lambda _t: self.p.release())
+            watch = PrefillWatch(self._p_task)
+            decode = self._decode(self._decode_body())
+        try:
+            opened = await watch.run(decode)
+        except UpstreamError as err:
+            self._cancel_prefill()
+            return await _send_error(send, err, self.request_id)
+        if isinstance(opened, _PrefillFailed):
+            assert watch.failure is not None
+            return await _send_error(send, watch.failure, self.request_id)
+        self._d_resp = opened
+        if self.stream:
+            await self._relay_stream(send, opened, watch)
+        else:
+            await self._relay_whole(send, opened, watch)
+
+    def _response_start(self, resp: httpx.Response) -> dict[str, Any]:
+        return _start(resp.status_code, resp.headers.get("content-type", "application/json"),
+                      self.request_id)
+
+    async def _relay_whole(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
+        try:
+            body = await watch.run(resp.aread())
+        except httpx.HTTPError as exc:
+            return await self._decode_failed(send, exc, started=False)
+        if isinstance(body, _PrefillFailed):
+            assert watch.failure is not None
+            return await _send_error(send, watch.failure, self.request_id)
+        self._d_done = True
+        await send(self._response_start(resp))
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _relay_stream(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
+        await send(self._response_start(resp))
+        chunks = resp.aiter_bytes()
+        tail = b"\n\n"
+        while True:
+            try:
+                chunk = await watch.run(anext(chunks, None))
+            except httpx.HTTPError as exc:
+                return await self._decode_failed(send, exc, started=True, tail=tail)
+            if isinstance(chunk, _PrefillFailed):
+                assert watch.failure is not None
+                return await _send_body(send, _event_break(tail) + watch.failure.sse())
+            if chunk is None:
+                break
+            if chunk:
+                tail = (tail + chunk)[-2:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        self._d_done = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _decode_failed(self, send: Send, exc: httpx.HTTPError, *, started: bool,
+                             tail: bytes = b"\n\n") -> None:
+        """D broke mid-answer (timeout between bytes, dropped connection)."""
+        d = self.d.backend
+        err = from_exception(exc, d, f"decode transfer_id={self.transfer_id}")
+        d.load.record_leg_failure(suspect=True)
+        logger.warning("router decode leg failed: %s", err.message)
+        self._cancel_prefill()  # nobody will consume P's KV now
+        if started:
+            await _send_body(send, _event_break(tail) + err.sse())
+        else:
+            await _send_error(send, err, self.request_id)
+
+    # -- cleanup -----------------------------------------------------------------------
+
+    def _cancel_prefill(self) -> None:
+        if self._p_task is not None and not self._p_task.done():
+            self._p_task.cancel()
+
+    async def _cleanup(self) -> None:
+        task = self._p_task
+        if task is not None and not task.done():
+            if self._d_done:
+                # D's answer is out; P's HTTP answer is only bookkeeping. Let it end on its
+                # own (its deadline bounds it) and keep a reference until then.
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                task.cancel()
+        if self.config.mode is Mode.PULL:
+            self.p.release()
+        await _close(self._d_resp)
+        self.d.release()
+
+
+def _event_break(tail: bytes) -> bytes:
+    """Make sure an error event does not glue onto a half-sent SSE event."""
+    return b"" if tail.endswith(b"\n\n") else b"\n\n"
+
+
+async def _send_body(send: Send, body: bytes) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _start(status: int, content_type: str, request_id: str) -> dict[str, Any]:
+    return {"type": "http.response.start", "status": status,
+            "headers": [(b"content-type", content_type.encode()),
+                        (b"x-request-id", request_id.encode())]}
+
+
+async def _send_error(send: Send, err: UpstreamError, request_id: str) -> None:
+    body, ctype = err.http_body()
+    await send(_start(err.status, ctype, request_id))
+    await _send_body(send, body)

@@ -1,0 +1,205 @@
+"""The connector's scheduler role: the vLLM adapter that runs inside EngineCore.
+
+Owns: one record per request that carries a pushkv leg, the per-step metadata sent to the
+workers, and the filtering of worker results before vLLM acts on them. Touches vLLM
+objects (Request, KVCacheBlocks, SchedulerOutput, KVConnectorOutput) but never NIXL.
+
+P (producer): the step that completes a prompt's KV is known when it is *scheduled*, so
+that step's metadata tells the workers to hand the blocks to the transfer thread right
+after its forward; the WRITE then starts before the request has even finished, one
+engine step earlier than vLLM's push connector. ``request_finished`` keeps the blocks
+(delay_free) until every worker reports the transfer done; a report that arrives before
+``request_finished`` is held back, since vLLM may only free finished requests.
+
+D (consumer): when blocks are allocated for a D leg, the registration is staged in this
+step's metadata, so the workers send it within the same engine step.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from connector.core.events import BlockTable
+from connector.kv_params import (
+    Coordinates,
+    DecodeLeg,
+    KvParamsError,
+    PrefillLeg,
+    is_probe,
+    parse_decode_leg,
+    parse_prefill_leg,
+)
+from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class ReqState(enum.Enum):
+    PREFILLING = "prefilling"  # P: prompt not complete yet
+    PUSHING = "pushing"  # P: workers were told to push; request still running
+    PUSHED_EARLY = "pushed_early"  # P: every worker finished before request_finished
+    HANDED_OVER = "handed_over"  # P: request finished, blocks ours until finished_sending
+    AWAITING_ALLOC = "awaiting_alloc"  # D: no blocks yet
+    RECEIVING = "receiving"  # D: registration staged, WAITING_FOR_REMOTE_KVS
+    ABORTING = "aborting"  # D: finished while receiving; blocks held until finished_recving
+    DONE = "done"
+
+
+@dataclass
+class _Req:
+    request: Any  # vLLM's live Request: the scheduler keeps its counters current
+    state: ReqState
+    prefill: PrefillLeg | None = None
+    decode: DecodeLeg | None = None
+    error: str = ""
+
+
+class SchedulerSide:
+    def __init__(self, engine_id: str, is_producer: bool, is_consumer: bool) -> None:
+        self.engine_id = engine_id
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self._reqs: dict[str, _Req] = {}
+        self._step = StepPlan()
+        self._handshakes: dict[int, Handshake] = {}
+        self._kv_cache_manager: Any = None
+
+    # ------------------------------------------------------------------ set-up
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    def set_handshakes(self, by_tp_rank: dict[int, Any]) -> None:
+        for rank, hs in by_tp_rank.items():
+            if isinstance(hs, Handshake):
+                self._handshakes[rank] = hs
+
+    def coordinates(self) -> dict[str, Any] | None:
+        if not self._handshakes:
+            return None
+        ranks = sorted(self._handshakes)
+        hs = [self._handshakes[r] for r in ranks]
+        return msgspec.to_builtins(Coordinates(engine_id=self.engine_id, host=hs[0].host,
+                                               port=hs[0].port, tp_size=len(hs),
+                                               ports=tuple(h.port for h in hs),
+                                               agents=tuple(h.agent for h in hs)))
+
+    # ------------------------------------------------------------------ requests
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or is_probe(params):
+            return
+        rid = request.request_id
+        try:
+            if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
+                self._reqs[rid] = _Req(request, ReqState.PREFILLING, prefill=leg)
+            elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
+                self._reqs[rid] = _Req(request, ReqState.AWAITING_ALLOC, decode=dleg)
+        except KvParamsError as exc:
+            # The request is served locally; the reason goes back in the response.
+            logger.warning("Request %s: %s; computing it locally", rid, exc)
+            self._reqs[rid] = _Req(request, ReqState.DONE, error=str(exc))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rec = self._reqs.get(request.request_id)
+        if rec is None or rec.decode is None or rec.state is not ReqState.AWAITING_ALLOC:
+            return 0, False
+        # vLLM recomputes the last prompt token after a load anyway, so a hit that leaves
+        # at most that token to fetch means nothing needs to move.
+        missing = request.num_prompt_tokens - num_computed_tokens
+        return (missing, True) if missing > 1 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rec = self._reqs.get(request.request_id)
+        if rec is None or rec.decode is None or rec.state is not ReqState.AWAITING_ALLOC:
+            return
+        leg = rec.decode
+        if num_external_tokens == 0:
+            # A prefix-cache hit covers the prompt: release P's blocks at once.
+            self._step.aborts.append(StagedAbort(leg.transfer_id, request.request_id, "not_needed", leg))
+            rec.state = ReqState.DONE
+            return
+        block_ids: BlockTable = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
+        self._step.registrations.append(StagedRegistration(
+            leg.transfer_id, request.request_id, block_ids,
+            first_token=request.num_prompt_tokens - num_external_tokens,
+            num_tokens=request.num_prompt_tokens, leg=leg))
+        rec.state = ReqState.RECEIVING
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        """Called before vLLM advances num_computed_tokens for this step."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid, rec in self._reqs.items():
+            if rec.state is not ReqState.PREFILLING or rid not in scheduled:
+                continue
+            request = rec.request
+            if request.num_computed_tokens + scheduled[rid] >= request.num_prompt_tokens:
+                assert rec.prefill is not None
+                blocks = self._kv_cache_manager.get_block_ids(rid)
+                self._step.prefills.append(StagedPrefill(
+                    rec.prefill.transfer_id, rid, tuple(tuple(g) for g in blocks),
+                    request.num_prompt_tokens, rec.prefill))
+                rec.state = ReqState.PUSHING
+        step, self._step = self._step, StepPlan()
+        return step
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        if is_probe(request.kv_transfer_params):
+            return False, {"pushkv": self.coordinates()}
+        rec = self._reqs.get(rid)
+        if rec is None:
+            return False, None
+        if rec.error:
+            del self._reqs[rid]
+            return False, {"pushkv_error": rec.error}
+        if rec.prefill is not None:
+            out = {"pushkv": self.coordinates(), "transfer_id": rec.prefill.transfer_id}
+            if rec.state is ReqState.PUSHING:
+                rec.state = ReqState.HANDED_OVER  # WRITE may be in flight: keep the blocks
+                return True, out
+            del self._reqs[rid]
+            if rec.state is ReqState.PREFILLING:  # aborted or failed before the prompt ran
+                self._step.aborts.append(StagedAbort(rec.prefill.transfer_id, rid, "prefill_aborted", None))
+            return False, out
+        # D leg
+        if rec.state is ReqState.RECEIVING:
+            # vLLM itself holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS
+            # until finished_recving; make sure that report comes.
+            assert rec.decode is not None
+            self._step.aborts.append(StagedAbort(rec.decode.transfer_id, rid, "aborted", rec.decode))
+            rec.state = ReqState.ABORTING
+            return False, None
+        del self._reqs[rid]
+        return False, None
+
+    # ------------------------------------------------------------------ results
+    def update_connector_output(self, output: Any) -> None:
+        sending = output.finished_sending or set()
+        for rid in list(sending):
+            rec = self._reqs.get(rid)
+            if rec is not None and rec.state is ReqState.HANDED_OVER:
+                del self._reqs[rid]
+            else:
+                # Only finished requests may be freed: an early completion waits for
+                # request_finished, which then frees the blocks itself.
+                sending.discard(rid)
+                if rec is not None and rec.state is ReqState.PUSHING:
+                    rec.state = ReqState.PUSHED_EARLY
+                elif rec is None:
+                    logger.warning("Dropping finished_sending for unknown request %s", rid)
+        for rid in output.finished_recving or ():
+            rec = self._reqs.get(rid)
+            if rec is None:
+                continue
+            if rec.state is ReqState.ABORTING:  # request_finished already ran
+                del self._reqs[rid]
+            elif rec.state is ReqState.RECEIVING:
+                rec.state = ReqState.DONE
+
+    def has_pending_push_work(self) -> bool:
+        return not self._step.empty() or any(
+            r.state in (ReqState.PUSHING, ReqState.HANDED_OVER) for r in self._reqs.values())

@@ -1,0 +1,371 @@
+"""The NIXL adapter: the only module of pushkv that calls NIXL.
+
+Owns: ``NixlTransport`` (the ``Transport`` Protocol over a NIXL agent), loading the nixl
+wheel lazily, and mapping every NIXL exception onto ``connector.core.errors``.
+Must not import at module level: nixl, torch, vLLM (this module must import cheaply
+where nixl is not installed). It starts no threads of its own; NIXL's listener thread
+(metadata side channel) is the only one, and its progress thread stays off, so UCX
+makes progress only inside our calls (``poll_write``, ``get_notifs``, ``write``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from connector.core.errors import (
+    LocalProtocolError,
+    PeerDisconnected,
+    PeerUnknown,
+    TransportError,
+)
+from connector.transport.base import (
+    DialBook,
+    WriteHandle,
+    check_mem_kind,
+    extents_to_rows,
+    tensor_extents,
+    validate_write_descs,
+)
+
+logger = logging.getLogger(__name__)
+
+# The meta package first (it picks cu12/cu13 from the CUDA stack it sees); the wheels
+# directly next, because the meta package raises ImportError when its pick is missing.
+_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+def load_nixl_api() -> ModuleType:
+    """Import and return nixl's ``_api`` module; TransportError if none is installed."""
+    for mod_name in _API_MODULES:
+        try:
+            return importlib.import_module(mod_name)
+        except ImportError:
+            continue
+    raise TransportError("nixl is not installed: pip install nixl==1.5.1")
+
+
+def _is_nixl_error(exc: BaseException) -> bool:
+    # The bindings' exceptions (nixlBackendError, nixlNotFoundError, ...) derive straight
+    # from Exception, so match them by name/module; pybind turns other C++ exceptions
+    # into RuntimeError (also raised by nixl_agent when no plugin loads).
+    cls = type(exc)
+    return (cls.__name__.startswith("nixl") or (cls.__module__ or "").startswith("nixl")
+            or isinstance(exc, RuntimeError))
+
+
+def map_nixl_error(exc: BaseException, op: str, peer: str | None) -> TransportError:
+    """One of our TransportErrors for a NIXL exception; the caller chains ``from exc``."""
+    where = f"{op} (peer {peer!r})" if peer else op
+    kind = type(exc).__name__
+    text = f"{where}: {kind}: {exc}"
+    if kind == "nixlRemoteDisconnectError":
+        return PeerDisconnected(text)
+    if kind == "nixlNotFoundError":
+        return PeerUnknown(text)
+    return TransportError(text)
+
+
+@contextmanager
+def _nixl_call(op: str, peer: str | None = None) -> Iterator[None]:
+    try:
+        yield
+    except TransportError:
+        raise
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        raise map_nixl_error(exc, op, peer) from exc
+
+
+class NixlTransport:
+    """``Transport`` over one NIXL agent with its listener on ``listen_port``.
+
+    Note: NIXL's listener binds every interface (0.0.0.0) on ``listen_port``; there is
+    no bind-address knob. ``listen_host`` is only what we tell peers to dial.
+    """
+
+    def __init__(
+        self,
+        agent_name: str,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int,
+        backends: Sequence[str] = ("UCX",),
+        num_workers: int | None = None,
+    ) -> None:
+        api = load_nixl_api()
+        self._name = agent_name
+        self._listen = (listen_host, int(listen_port))
+        # Backends are created explicitly (not via the config) so that a missing plugin
+        # fails here instead of being skipped with a warning, and so UCX gets num_workers.
+        cfg = api.nixl_agent_config(
+            enable_prog_thread=False,  # it busy-polls a core; we drive progress ourselves
+            enable_listen_thread=True,
+            listen_port=int(listen_port),
+            capture_telemetry=False,
+            backends=[],
+        )
+        with _nixl_call("create agent"):
+            agent = api.nixl_agent(agent_name, cfg)
+            plugins = agent.get_plugin_list()
+            for backend in backends:
+                if backend not in plugins:
+                    raise TransportError(f"create agent: NIXL plugin {backend!r} not found "
+                                         f"(have {plugins})")
+                params: dict[str, str] = {}
+                if backend == "UCX" and num_workers is not None:
+                    params["num_workers"] = str(num_workers)
+                agent.create_backend(backend, params)
+        self._agent: Any = agent
+        self._regs: list[Any] = []  # nixlRegDList per register call, for deregistration
+        self._handles: set[WriteHandle] = set()
+        self._inbox: list[tuple[str, bytes]] = []  # arrived during progress, not yet taken
+        self._connected: set[str] = set()  # peers we already asked UCX to connect to
+        self._dials = DialBook(self._fire_request, self.peer_ready)
+
+    # -- identity -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return self._listen
+
+    def _live_agent(self) -> Any:
+        if self._agent is None:
+            raise TransportError(f"transport {self._name!r} is closed")
+        return self._agent
+
+    # -- memory ---------------------------------------------------------------------
+
+    def register_memory(
+        self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM", device_id: int = 0
+    ) -> None:
+        agent = self._live_agent()
+        rows = extents_to_rows(extents, device_id)
+        if rows.shape[0] == 0:
+            return
+        with _nixl_call(f"register {rows.shape[0]} {check_mem_kind(mem_type)} extents"):
+            self._regs.append(agent.register_memory(rows, mem_type))
+
+    def register_tensors(self, tensors: Sequence[Any]) -> None:
+        for (mem_type, device_id), extents in tensor_extents(tensors).items():
+            self.register_memory(extents, mem_type, device_id)
+
+    def deregister_all(self) -> None:
+        agent = self._live_agent()
+        first: TransportError | None = None
+        while self._regs:
+            reg = self._regs.pop()
+            try:
+                with _nixl_call("deregister memory"):
+                    agent.deregister_memory(reg)
+            except TransportError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    # -- peers ----------------------------------------------------------------------
+
+    def _fire_request(self, peer: str, host: str, port: int) -> None:
+        agent = self._live_agent()
+        # Send ours first: the listener thread handles its queue in order, so once the
+        # fetch has answered the send went to the same (then live) listener before it.
+        with _nixl_call("request metadata", peer):
+            agent.send_local_metadata(host, port)
+            agent.fetch_remote_metadata(peer, host, port)
+
+    def request_peer(
+        self, peer: str, host: str, port: int, *, retry_interval_s: float = 0.05
+    ) -> None:
+        self._dials.request(peer, host, port, retry_interval_s, time.monotonic())
+
+    def peer_ready(self, peer: str) -> bool:
+        agent = self._live_agent()
+        with _nixl_call("check metadata", peer):
+            ready = bool(agent.check_remote_metadata(peer))
+        if ready and peer not in self._connected:
+            # Eager UCX wire-up, so the first WRITE does not pay the lazy connect.
+            self._connected.add(peer)
+            with _nixl_call("make connection", peer):
+                agent.make_connection(peer)
+        return ready
+
+    def poll_peer(self, peer: str, now_s: float) -> bool:
+        self.progress()  # a dialing loop also wires up endpoints already connecting
+        return self._dials.poll(peer, now_s)
+
+    def connect(
+        self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05
+    ) -> None:
+        self._dials.connect(peer, host, port, timeout_s, retry_interval_s, poll=self.poll_peer)
+
+    def remove_peer(self, peer: str) -> None:
+        agent = self._live_agent()
+        for handle in [h for h in self._handles if h.peer == peer]:
+            self._release_logged(handle)
+        self._dials.forget(peer)
+        self._connected.discard(peer)
+        try:
+            with _nixl_call("remove peer", peer):
+                agent.remove_remote_agent(peer)
+        except PeerUnknown:
+            pass  # never loaded, or already removed: removing is idempotent
+
+    # -- writes ---------------------------------------------------------------------
+
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        notif: bytes,
+        *,
+        src_mem: str = "DRAM",
+        dst_mem: str = "DRAM",
+    ) -> WriteHandle:
+        agent = self._live_agent()
+        src_a, dst_a, nbytes = validate_write_descs(src, dst)
+        try:
+            with _nixl_call("prepare write", peer):
+                local = agent.get_xfer_descs(src_a, check_mem_kind(src_mem))
+                remote = agent.get_xfer_descs(dst_a, check_mem_kind(dst_mem))
+                xfer = agent.initialize_xfer("WRITE", local, remote, peer, notif_msg=notif)
+        except PeerUnknown as exc:
+            # NIXL_ERR_NOT_FOUND here means either "no metadata for the peer" or "no
+            # backend has registrations covering these descriptors"; tell them apart.
+            if self.peer_ready(peer):
+                raise TransportError(f"prepare write (peer {peer!r}): descriptors outside "
+                                     f"registered memory (NIXL_ERR_NOT_FOUND)") from exc.__cause__
+            raise
+        handle = WriteHandle(peer, nbytes, int(src_a.shape[0]), time.time_ns(), native=xfer)
+        self._handles.add(handle)
+        try:
+            with _nixl_call("post write", peer):
+                # NIXL documents "ERR" as a return but raises instead; handle both.
+                state = agent.transfer(xfer, notif_msg=notif)
+                if state == "ERR":
+                    raise TransportError(f"post write (peer {peer!r}): state ERR")
+        except TransportError as exc:
+            handle.error = exc
+            self._release_logged(handle)
+            # Don't let the raised traceback keep the xfer (and through it the C++
+            # agent) alive until some later GC; and let UCX retire the failed request
+            # now (destroying an agent that still queues one aborts the process).
+            xfer = None
+            self._drain(1)
+            raise
+        handle.done = state == "DONE"
+        return handle
+
+    def poll_write(self, handle: WriteHandle) -> bool:
+        if handle.error is not None:
+            raise handle.error
+        if handle.done:
+            return True
+        if handle.released:
+            raise LocalProtocolError("poll_write on a released, unfinished handle")
+        agent = self._live_agent()
+        try:
+            with _nixl_call("poll write", handle.peer):
+                state = agent.check_xfer_state(handle.native)
+                if state == "ERR":
+                    raise TransportError(f"poll write (peer {handle.peer!r}): state ERR")
+        except TransportError as exc:
+            handle.error = exc
+            self._drain(1)
+            raise
+        handle.done = state == "DONE"
+        return handle.done
+
+    def release(self, handle: WriteHandle) -> None:
+        if handle.released:
+            return
+        with _nixl_call("release write", handle.peer):
+            # Releasing an unfinished WRITE asks NIXL to cancel it; if it cannot, it
+            # raises and the handle stays ours (close() tries again).
+            handle.native.release()
+        handle.released = True
+        handle.native = None
+        self._handles.discard(handle)
+
+    def _release_logged(self, handle: WriteHandle) -> None:
+        try:
+            self.release(handle)
+        except TransportError as exc:
+            logger.warning("Could not release WRITE to %s: %s", handle.peer, exc)
+
+    # -- notifications --------------------------------------------------------------
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        agent = self._live_agent()
+        with _nixl_call("send notif", peer):
+            agent.send_notif(peer, msg)
+        # Once the endpoint is wired up the message leaves inside genNotif; before that
+        # it waits for progress (measured: ~10 progress calls), so give it one now.
+        self.progress()
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        self.progress()
+        out, self._inbox = self._inbox, []
+        return out
+
+    def progress(self) -> None:
+        """Drive UCX progress (get_new_notifs is the call that does it); what arrives is
+        kept for the next get_notifs, so progress can be driven from anywhere."""
+        agent = self._live_agent()
+        with _nixl_call("get notifs"):
+            new = agent.get_new_notifs()
+        if new:
+            self._inbox.extend((peer, bytes(m)) for peer, msgs in new.items() for m in msgs)
+
+    def _drain(self, rounds: int) -> None:
+        """A few progress rounds, so UCX retires failed/cancelled requests. Measured: an
+        agent destroyed right after a WRITE failed on a dead peer, with no progress in
+        between, dies in UCX (``Assertion `ucs_arbiter_group_is_empty(group)' failed``,
+        SIGABRT); one progress call first avoids it."""
+        for _ in range(rounds):
+            try:
+                self.progress()
+            except TransportError as exc:
+                logger.warning("Progress on %s failed while draining: %s", self._name, exc)
+                return
+
+    # -- teardown -------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        for handle in list(self._handles):
+            self._release_logged(handle)
+        self._drain(10)
+        try:
+            self.deregister_all()
+        except TransportError as exc:
+            logger.warning("Deregistering memory of %s failed: %s", self._name, exc)
+        for peer in set(self._dials.peers()) | self._connected:
+            try:
+                self.remove_peer(peer)
+            except TransportError as exc:
+                logger.warning("Removing peer %s from %s failed: %s", peer, self._name, exc)
+        self._drain(10)
+        # Dropping the last reference destroys the C++ agent: its listener thread stops
+        # and the port is freed (measured: the socket is gone right after).
+        self._agent = None
+        self._handles.clear()
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,209 @@
+"""The connector's worker role: the vLLM adapter that runs in each TP worker.
+
+Owns: describing vLLM's KV cache tensors as a ``KVLayout``, creating this rank's
+transport agent and transfer thread, turning each step's ``StepPlan`` into events for
+the thread, and reporting the thread's outcomes back to vLLM. Touches vLLM objects and
+torch, never NIXL directly (that is transport/nixl.py), never the core's state.
+
+Nothing here runs a transfer on the engine's loop: every hook only queues work for the
+transfer thread or takes its results.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import uuid
+from typing import Any
+
+from connector.config import PushkvConfig
+from connector.core import events as ev
+from connector.core.errors import LayoutError
+from connector.core.layout import KVLayout, Region, head_range
+from connector.core.messages import PeerAddr
+from connector.kv_params import agent_name
+from connector.metadata import Handshake, StagedAbort, StepPlan
+from connector.peers import Peers
+from connector.receiving import Receiver
+from connector.sending import Sender
+from connector.topology import RankInfo, Topology
+from connector.transfer_thread import TransferThread
+
+logger = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    m = _LAYER_INDEX.search(name)
+    return (int(m.group(1)) if m else 1 << 30, name)
+
+
+def describe_kv_caches(kv_caches: dict[str, Any], group_of: dict[str, int],
+                       heads: tuple[int, int]) -> KVLayout:
+    """vLLM's per-layer KV tensors, shaped [blocks, heads, tokens, content] (LBHNC), as a
+    layout: one region per layer, one head's slice of a block contiguous.
+
+    On CPU the block interior is private to the attention kernel: CPU_ATTN views a head's
+    slice as K of every token then V, and its AMX kernels tile them (measured: copying the
+    first 127 of 128 tokens corrupts the KV, whole blocks arrive intact). So CPU layouts are
+    ``opaque_blocks``: whole blocks of a head move, never token ranges inside one.
+    """
+    if not kv_caches:
+        raise LayoutError("no KV cache tensors to register")
+    names = sorted(kv_caches, key=_layer_key)
+    first = kv_caches[names[0]]
+    if first.dim() != 4 or not first[0].is_contiguous():
+        raise LayoutError(f"{names[0]}: KV cache of shape {tuple(first.shape)} strides "
+                          f"{first.stride()} is not [blocks, heads, tokens, content] with "
+                          "contiguous blocks (pushkv needs the LBHNC layout)")
+    num_blocks, num_heads, block_size, content = (int(x) for x in first.shape)
+    if num_heads != heads[1] - heads[0]:
+        raise LayoutError(f"KV cache holds {num_heads} heads, this rank should hold {heads}")
+    elt = first.element_size()
+    regions = []
+    for i, name in enumerate(names):
+        t = kv_caches[name]
+        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype \
+                or t.device != first.device:
+            raise LayoutError(f"{name}: KV cache differs from {names[0]}")
+        regions.append(Region(layer=i, group=group_of.get(name, 0), part=0,
+                              base_addr=int(t.data_ptr()), block_stride=int(t.stride(0) * elt)))
+    cuda = first.device.type == "cuda"
+    layout = KVLayout(block_size=block_size, num_blocks=num_blocks, heads=heads,
+                      token_bytes=content * elt, order="HND", regions=tuple(regions),
+                      device_id=int(first.device.index or 0) if cuda else 0,
+                      mem_type="VRAM" if cuda else "DRAM", opaque_blocks=not cuda)
+    layout.validate()
+    return layout
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerSide:
+    def __init__(self, cfg: PushkvConfig, engine_id: str, is_producer: bool, is_consumer: bool,
+                 tp_rank: int, tp_size: int, num_kv_heads: int, logical_block_size: int,
+                 group_of: dict[str, int]) -> None:
+        self.cfg, self.engine_id = cfg, engine_id
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
+        self._logical_block_size = logical_block_size
+        self._group_of = group_of
+        self._ratio = 1
+        self.thread: TransferThread | None = None
+        self._transport: Any = None
+        self._handshake: Handshake | None = None
+        self._plan: StepPlan | None = None
+
+    # ------------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from connector.transport.nixl import NixlTransport
+
+        heads = head_range(self.tp_rank, self.tp_size, self.num_kv_heads)
+        layout = describe_kv_caches(kv_caches, self._group_of, heads)
+        if self._logical_block_size % layout.block_size:
+            raise LayoutError(f"scheduler block size {self._logical_block_size} is not a multiple "
+                              f"of the kernel block size {layout.block_size}")
+        self._ratio = self._logical_block_size // layout.block_size
+        host = self.cfg.side_channel_host
+        port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else _free_port(host)
+        name = agent_name(self.engine_id, self.tp_rank, uuid.uuid4().hex[:8])
+        self._transport = NixlTransport(name, listen_host=host, listen_port=port)
+        self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
+        peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9))
+        me = RankInfo(self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port))
+        sender = receiver = None
+        if self.is_producer:
+            sender = Sender(self._transport, me, layout, Topology(self.num_kv_heads, self.tp_size),
+                            peers, self.cfg.sender_policy())
+        if self.is_consumer:
+            receiver = Receiver(me, layout, peers, self.cfg.receiver_policy())
+        self.thread = TransferThread(self._transport, peers, sender=sender, receiver=receiver,
+                                     name=f"pushkv-{name}", hot_max_s=self.cfg.poll_hot_max_s,
+                                     idle_s=self.cfg.poll_idle_s)
+        self.thread.start()
+        self._handshake = Handshake(name, host, port)
+        logger.info("pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",
+                    name, len(layout.regions), layout.num_blocks, layout.block_size, host, port)
+
+    def handshake(self) -> Handshake | None:
+        return self._handshake
+
+    # ------------------------------------------------------------------ per step
+    def _blocks(self, table: ev.BlockTable) -> ev.BlockTable:
+        """Scheduler (logical) block ids -> kernel block ids of the tensors."""
+        r = self._ratio
+        if r == 1:
+            return table
+        return tuple(tuple(b * r + i for b in group for i in range(r)) for group in table)
+
+    def _sources(self, leg: Any) -> tuple[ev.Source, ...]:
+        topo = Topology(self.num_kv_heads, leg.remote_tp_size)
+        return tuple(ev.Source(p, PeerAddr(agent=leg.agent_of(p), host=leg.remote_host,
+                                           port=leg.port_of(p)))
+                     for p in topo.sources(self.tp_rank, self.tp_size))
+
+    def bind(self, plan: StepPlan) -> None:
+        """Before the forward: registrations and aborts go out at once."""
+        self._plan = plan
+        thread = self.thread
+        if thread is None:
+            return
+        for reg in plan.registrations:
+            thread.submit(ev.Expected(reg.transfer_id, reg.request_id, self._sources(reg.leg),
+                                      self._blocks(reg.block_ids), reg.first_token, reg.num_tokens,
+                                      reg.leg.trace()))
+        for ab in plan.aborts:
+            thread.submit(self._abort_event(ab))
+
+    def _abort_event(self, ab: StagedAbort) -> Any:
+        if ab.kind == "prefill_aborted":
+            return ev.PrefillAborted(ab.transfer_id, ab.request_id)
+        if ab.kind == "not_needed":
+            assert ab.leg is not None
+            return ev.NotNeeded(ab.transfer_id, self._sources(ab.leg))
+        return ev.AbortRequested(ab.transfer_id)
+
+    def after_forward(self) -> None:
+        """After the forward: the prompts this step completed are ready to push."""
+        plan, thread = self._plan, self.thread
+        if plan is None or thread is None or not plan.prefills:
+            return
+        ready = _step_done_check()
+        for p in plan.prefills:
+            thread.submit(ev.PrefillDone(p.transfer_id, p.request_id, self._blocks(p.block_ids),
+                                         p.num_tokens), ready=ready)
+
+    def clear(self) -> None:
+        self._plan = None
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        if self.thread is None:
+            return set(), set(), set()
+        sent = set(self.thread.take_finished_sending())
+        received = self.thread.take_finished_recving()
+        return sent, {r.request_id for r in received}, {r.request_id for r in received if not r.ok}
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+        if self._transport is not None:
+            self._transport.close()
+        self.thread = self._transport = None
+
+
+def _step_done_check() -> Any:
+    """On GPU the forward was only launched: the WRITE must wait for the KV. Record an event
+    on the current stream; the transfer thread polls it. On CPU the forward is done."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event.query

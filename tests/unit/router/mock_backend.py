@@ -1,0 +1,155 @@
+"""A fake vLLM server (P or D) with failure knobs, for the router tests.
+
+Knobs (set before or during a test): ``healthy``; ``gate`` (answer a generation request only
+once this event is set); ``fail_first_n`` / ``error_status`` / ``error_body`` (checked after
+the gate); ``stream_gate`` (a streamed answer pauses after its first chunk until set);
+``crash_mid_stream`` (drop the connection after the first chunk); ``coords`` (P's probe
+answer); ``pull_params`` (P's returned ``kv_transfer_params``).
+Records: every generation request (``requests``, ``probes``) with its body, headers and a
+``disconnected`` event, set when the router closed the request before the answer was done.
+Synchronisation is by events only: ``arrived``, ``first_chunk_sent``, ``wait_for(n)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.unit.router.serving import within
+
+CHUNKS = [b'data: {"choices": [{"text": "hel"}]}\n\n', b'data: {"choices": [{"text": "lo"}]}\n\n',
+          b"data: [DONE]\n\n"]
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MockBackend:
+    def __init__(self, name: str, *, model: str | None = None,
+                 coords: dict[str, Any] | None = None,
+                 pull_params: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.model = model or f"{name}-model"
+        self.coords = coords
+        self.pull_params = pull_params
+        self.healthy = True
+        self.gate: asyncio.Event | None = None
+        self.fail_first_n = 0
+        self.error_status = 500
+        self.error_body: dict[str, Any] = {"error": {"message": f"{name} failed",
+                                                     "type": "InternalServerError"}}
+        self.stream_gate: asyncio.Event | None = None
+        self.crash_mid_stream = False
+        self.chunks = list(CHUNKS)
+        self.requests: list[Seen] = []
+        self.probes: list[Seen] = []
+        self.responses: list[bytes] = []  # non-streamed bodies sent, byte for byte
+        self.health_checks = 0
+        self.arrived = asyncio.Event()  # first generation request (not a probe) is in
+        self.first_chunk_sent = asyncio.Event()
+        self._count = asyncio.Condition()
+        self._gates: list[asyncio.Event] = []
+
+    def release(self) -> None:
+        """Open every gate this mock ever waited on (teardown: let handlers finish)."""
+        for g in self._gates + [self.gate, self.stream_gate]:
+            if g is not None:
+                g.set()
+
+    async def wait_for(self, n: int, what: str = "") -> None:
+        async def _wait() -> None:
+            async with self._count:
+                await self._count.wait_for(lambda: len(self.requests) >= n)
+        await within(_wait(), what or f"{n} request(s) at {self.name} (got {len(self.requests)})")
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self._health, methods=["GET"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/completions", self._generate, methods=["POST"]),
+            Route("/v1/chat/completions", self._generate, methods=["POST"]),
+        ])
+
+    async def _health(self, _request: Request) -> Response:
+        self.health_checks += 1
+        return Response(status_code=200 if self.healthy else 503)
+
+    async def _models(self, _request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _until_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def _wait(self, request: Request, gate: asyncio.Event, seen: Seen) -> bool:
+        """Wait for ``gate``; False (and ``seen.disconnected`` set) if the router left first."""
+        self._gates.append(gate)
+        opened = asyncio.ensure_future(gate.wait())
+        left = asyncio.ensure_future(self._until_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({opened, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            opened.cancel()
+            left.cancel()
+        if left in done:
+            seen.disconnected.set()
+            return False
+        return True
+
+    async def _generate(self, request: Request) -> Response:
+        body = await request.json()
+        seen = Seen(request.url.path, body, dict(request.headers))
+        if (body.get("kv_transfer_params") or {}).get("pushkv_probe"):
+            self.probes.append(seen)
+            return JSONResponse({"id": "probe", "choices": [{"text": "x"}],
+                                 "kv_transfer_params": {"pushkv": self.coords}})
+        async with self._count:
+            self.requests.append(seen)
+            self._count.notify_all()
+        self.arrived.set()
+        if self.gate is not None and not await self._wait(request, self.gate, seen):
+            return Response(status_code=499)  # nobody reads it
+        if self.fail_first_n > 0:
+            self.fail_first_n -= 1
+            return JSONResponse(self.error_body, status_code=self.error_status)
+        if body.get("stream"):
+            return StreamingResponse(self._stream(request, seen), media_type="text/event-stream")
+        answer: dict[str, Any] = {"id": f"cmpl-{self.name}-{len(self.requests)}",
+                                  "object": "text_completion", "model": self.model,
+                                  "choices": [{"index": 0, "text": f"hello from {self.name}",
+                                               "finish_reason": "length"}]}
+        if self.pull_params is not None:
+            answer["kv_transfer_params"] = self.pull_params
+        raw = json.dumps(answer).encode()
+        self.responses.append(raw)
+        return Response(raw, media_type="application/json")
+
+    async def _stream(self, request: Request, seen: Seen) -> AsyncIterator[bytes]:
+        try:
+            for i, chunk in enumerate(self.chunks):
+                yield chunk
+                if i:
+                    continue
+                self.first_chunk_sent.set()
+                if self.crash_mid_stream:
+                    raise RuntimeError(f"{self.name} crashed mid-stream (test knob)")
+                if self.stream_gate is not None and not await self._wait(
+                        request, self.stream_gate, seen):
+                    return
+        except asyncio.CancelledError:
+            # Starlette cancels the body when it sees the client (the router) go.
+            seen.disconnected.set()
+            raise
