@@ -54,9 +54,12 @@ class StepPlan:
     prefills: list[StagedPrefill] = field(default_factory=list)
     registrations: list[StagedRegistration] = field(default_factory=list)
     aborts: list[StagedAbort] = field(default_factory=list)
+    # P: transfers whose request vLLM preempted after the push began; its blocks are free
+    # again, so this step's forward must wait until no WRITE reads them.
+    reclaimed: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.prefills or self.registrations or self.aborts)
+        return not (self.prefills or self.registrations or self.aborts or self.reclaimed)
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,10 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> Any:
         return self._worker.handshake() if self._worker is not None else None
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, PushkvMetadata)
+        self._worker.before_forward(kv_connector_metadata.plan)
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, PushkvMetadata)

@@ -44,6 +44,7 @@ class ReqState(enum.Enum):
     PUSHING = "pushing"  # P: workers were told to push; request still running
     PUSHED_EARLY = "pushed_early"  # P: every worker finished before request_finished
     HANDED_OVER = "handed_over"  # P: request finished, blocks ours until finished_sending
+    SPENT = "spent"  # P: preempted after its push began; never pushed again
     AWAITING_ALLOC = "awaiting_alloc"  # D: no blocks yet
     RECEIVING = "receiving"  # D: registration staged, WAITING_FOR_REMOTE_KVS
     ABORTING = "aborting"  # D: finished while receiving; blocks held until finished_recving
@@ -131,6 +132,13 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """Called before vLLM advances num_computed_tokens for this step."""
+        for rid in scheduler_output.preempted_req_ids or ():
+            rec = self._reqs.get(rid)
+            if rec is not None and rec.prefill is not None and rec.state in (
+                    ReqState.PUSHING, ReqState.PUSHED_EARLY):
+                if rec.state is ReqState.PUSHING:
+                    self._step.reclaimed.append(rec.prefill.transfer_id)
+                rec.state = ReqState.SPENT
         scheduled = scheduler_output.num_scheduled_tokens
         for rid, rec in self._reqs.items():
             if rec.state is not ReqState.PREFILLING or rid not in scheduled:

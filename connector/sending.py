@@ -74,6 +74,10 @@ class Sender:
 
     # ------------------------------------------------------------------ inputs
     def on_event(self, event: ev.SenderEvent, now_ns: int, ready: ReadyCheck | None = None) -> None:
+        if isinstance(event, ev.SourceReclaimed) and event.transfer_id in self._deferred:
+            # Not posted yet (the compute step had not finished): it never will be.
+            self._deferred.pop(event.transfer_id)
+            event = ev.WriteFailed(event.transfer_id, m.FailReason.PREFILL_ABORTED, "preempted")
         if ready is not None and isinstance(event, ev.PrefillDone):
             self._ready[event.transfer_id] = ready
         self._run(self._handle(event, now_ns), now_ns)
@@ -105,6 +109,10 @@ class Sender:
         nxt = self.table.next_deadline_ns()
         if nxt is not None and nxt <= now_ns:
             self._run(self.table.tick(now_ns), now_ns)
+
+    def quiescent(self, transfer_ids: list[str]) -> bool:
+        """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
+        return not any(t in self._writes or t in self._deferred for t in transfer_ids)
 
     def busy(self) -> bool:
         """Something on the critical path may happen any moment: poll fast."""

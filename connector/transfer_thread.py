@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from connector.core import events as ev
@@ -32,6 +33,12 @@ from connector.sending import Sender
 from connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Reclaim:
+    transfer_ids: list[str]
+    done: threading.Event
 
 
 def _unpin() -> None:
@@ -68,6 +75,7 @@ class TransferThread:
         self._sent: list[str] = []
         self._recvd: list[Received] = []
         self._pending_push = 0
+        self._quiesce: list[tuple[list[str], threading.Event]] = []
         self.counters: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -80,6 +88,15 @@ class TransferThread:
         ``ready``: for PrefillDone on GPU, says when the KV is computed (a CUDA event)."""
         self._inbox.put((event, ready))
         self._wake.set()
+
+    def reclaim(self, transfer_ids: list[str], timeout_s: float) -> bool:
+        """P: vLLM took these transfers' source blocks back. Block until no WRITE reads
+        them (so the caller's next forward cannot overwrite what a WRITE still reads);
+        False if that took longer than ``timeout_s``."""
+        done = threading.Event()
+        self._inbox.put((_Reclaim(list(transfer_ids), done), None))
+        self._wake.set()
+        return done.wait(timeout_s)
 
     def take_finished_sending(self) -> list[str]:
         with self._lock:
@@ -158,10 +175,23 @@ class TransferThread:
             self.sender.poll(now)
         if self.receiver is not None:
             self.receiver.poll(now)
+        if self._quiesce and self.sender is not None:
+            still = []
+            for tids, done in self._quiesce:
+                (done.set() if self.sender.quiescent(tids) else still.append((tids, done)))
+            self._quiesce = still
         self._publish()
         return active
 
     def _dispatch_event(self, event: Any, ready: Callable[[], bool] | None, now: int) -> None:
+        if isinstance(event, _Reclaim):
+            if self.sender is None:
+                event.done.set()
+                return
+            for tid in event.transfer_ids:
+                self.sender.on_event(ev.SourceReclaimed(tid), now)
+            self._quiesce.append((event.transfer_ids, event.done))
+            return
         try:
             if isinstance(event, (ev.PrefillDone, ev.PrefillAborted)) and self.sender is not None:
                 self.sender.on_event(event, now, ready)

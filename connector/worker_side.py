@@ -148,6 +148,14 @@ class WorkerSide:
                                            port=leg.port_of(p)))
                      for p in topo.sources(self.tp_rank, self.tp_size))
 
+    def before_forward(self, plan: StepPlan) -> None:
+        """vLLM's handle_preemptions: runs before this step's forward may reuse blocks."""
+        if plan.reclaimed and self.thread is not None:
+            if not self.thread.reclaim(plan.reclaimed, timeout_s=self.cfg.write_timeout_s):
+                logger.error("WRITEs of preempted transfers %s still running after %.0fs; "
+                             "this forward may overwrite blocks they read", plan.reclaimed,
+                             self.cfg.write_timeout_s)
+
     def bind(self, plan: StepPlan) -> None:
         """Before the forward: registrations and aborts go out at once."""
         self._plan = plan

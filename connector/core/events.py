@@ -42,6 +42,14 @@ class PrefillAborted:
 
 
 @dataclass(frozen=True)
+class SourceReclaimed:
+    """vLLM took P's source blocks back (the request was preempted after its push began).
+    Nothing may be written from them any more; D must not use what it gets."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True)
 class WriteDone:
     """Every WRITE of the transfer reached DONE."""
 
@@ -227,7 +235,8 @@ class ReportReceived:
     reason: FailReason | None = None
 
 
-SenderEvent = Registered | PrefillDone | PrefillAborted | WriteDone | WriteFailed | Cancelled | HeartbeatSeen
+SenderEvent = (Registered | PrefillDone | PrefillAborted | SourceReclaimed | WriteDone | WriteFailed
+               | Cancelled | HeartbeatSeen)
 ReceiverEvent = Expected | CompletionSeen | FailSeen | SendFailed | AbortRequested
 SenderAction = IssueWrite | AbortWrite | FreeBlocks | SendFail | ResendCompletion
 ReceiverAction = SendRegister | SendCancel | SendHeartbeat | ReportReceived

@@ -176,6 +176,18 @@ def _s_waiting_heartbeat(rec: SendRecord, e: ev.HeartbeatSeen, ctx: SendCtx) -> 
     return []
 
 
+def _s_prefilled_reclaimed(rec: SendRecord, e: ev.SourceReclaimed, ctx: SendCtx) -> list[Any]:
+    # vLLM freed the blocks itself: nothing is owed back, and D must not wait for us.
+    rec.blocks_held = False
+    return _end(rec, SendState.FAILED, ctx, FailReason.PREFILL_ABORTED)
+
+
+def _s_writing_reclaimed(rec: SendRecord, e: ev.SourceReclaimed, ctx: SendCtx) -> list[Any]:
+    # The caller holds the next forward until this WRITE ends, so what it reads is still
+    # the prompt's KV; the WRITE's outcome ends the transfer as usual.
+    return []
+
+
 def _s_registered_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
     return _end(rec, SendState.EXPIRED, ctx, FailReason.REGISTRATION_EXPIRED)
 
@@ -262,6 +274,8 @@ SEND_TABLE: dict[tuple[SendState, type], Transition] = {
     (_S.PREFILLED, ev.Cancelled): _s_waiting_cancelled,
     (_S.PREFILLED, ev.HeartbeatSeen): _s_waiting_heartbeat,
     (_S.PREFILLED, DeadlinePassed): _s_prefilled_deadline,
+    (_S.PREFILLED, ev.SourceReclaimed): _s_prefilled_reclaimed,
+    (_S.WRITING, ev.SourceReclaimed): _s_writing_reclaimed,
     (_S.WRITING, ev.WriteDone): _s_writing_done,
     (_S.WRITING, ev.WriteFailed): _s_writing_failed,
     (_S.WRITING, ev.Cancelled): _s_writing_cancelled,
@@ -272,6 +286,7 @@ SEND_TABLE: dict[tuple[SendState, type], Transition] = {
     **{(t, ev.PrefillDone): _s_terminal_prefill for t in _SEND_TERMINAL if t is not _S.DONE},
     **{(t, ev.PrefillAborted): _s_terminal_prefill_aborted for t in _SEND_TERMINAL if t is not _S.DONE},
     **{(t, ev.Cancelled): _s_terminal_cancelled for t in _SEND_TERMINAL},
+    **{(t, ev.SourceReclaimed): _ignore for t in _SEND_TERMINAL},
 }
 
 # What a first event makes of a transfer id never seen before (or forgotten).
@@ -328,8 +343,8 @@ def send_transition(rec: SendRecord | None, event: Any, ctx: SendCtx) -> tuple[S
     return rec, fn(rec, event, ctx)
 
 
-_LOCAL_EVENTS = (ev.PrefillDone, ev.PrefillAborted, ev.WriteDone, ev.WriteFailed, ev.Expected,
-                 ev.AbortRequested)
+_LOCAL_EVENTS = (ev.PrefillDone, ev.PrefillAborted, ev.SourceReclaimed, ev.WriteDone,
+                 ev.WriteFailed, ev.Expected, ev.AbortRequested)
 
 
 def _raise_out_of_turn(event: Any, state: enum.Enum | None) -> None:

@@ -60,6 +60,7 @@ class PushProtocol(RuleBasedStateMachine):
         self.expected: set[tuple[int, str]] = set()
         self.reported: dict[tuple[int, str], ev.ReportReceived] = {}
         self.dead: set[int] = set()
+        self.reclaimed: set[tuple[int, str]] = set()  # vLLM took these source blocks back
         note(f"P tp={self.p_tp} D tp={self.d_tp} targets={self.targets}")
 
     # ------------------------------------------------------------- action plumbing
@@ -71,10 +72,13 @@ class PushProtocol(RuleBasedStateMachine):
                 self.issued[key] += 1
                 assert self.issued[key] == 1, f"second WRITE for {key}"
                 assert self.freed[key] == 0, "WRITE from blocks already freed"
+                assert key not in self.reclaimed, "WRITE from blocks vLLM reclaimed"
                 self.in_flight[key] = {r.d_rank for r in a.registrations}
             elif isinstance(a, ev.FreeBlocks):
                 key = (p, a.transfer_id)
                 assert not self.in_flight.get(key), f"freed {key} under a live WRITE"
+                if key in self.reclaimed:  # the scheduler side drops it: vLLM freed them
+                    continue
                 assert key in self.handed_over, f"freed {key} that was never handed over"
                 self.freed[key] += 1
                 assert self.freed[key] == 1, f"freed {key} twice"
@@ -167,6 +171,16 @@ class PushProtocol(RuleBasedStateMachine):
         else:
             self.handed_over.add((p, tid))
             self._p_do(p, self.P[p].handle(ev.PrefillDone(tid, f"req-{tid}", ((3, 4),), 32), self.now))
+
+    @rule(data=st.data())
+    def source_reclaimed(self, data: st.DataObject) -> None:
+        live = sorted(k for k in self.handed_over
+                      if k not in self.reclaimed and self.freed[k] == 0 and k[0] not in self.dead)
+        if not live:
+            return
+        p, tid = data.draw(st.sampled_from(live))
+        self.reclaimed.add((p, tid))
+        self._p_do(p, self.P[p].handle(ev.SourceReclaimed(tid), self.now))
 
     @rule(data=st.data(), tid=st.sampled_from(TIDS))
     def decode_allocated(self, data: st.DataObject, tid: str) -> None:
@@ -283,7 +297,8 @@ class PushProtocol(RuleBasedStateMachine):
             if not self.net and not self.in_flight and all(
                     len(t) == 0 for t in (*self.P.values(), *self.D.values())):
                 break
-        owed = [k for k in self.handed_over if k[0] not in self.dead and self.freed[k] != 1]
+        owed = [k for k in self.handed_over
+                if k[0] not in self.dead and k not in self.reclaimed and self.freed[k] != 1]
         assert not owed, f"blocks never given back: {owed}"
         unreported = [k for k in self.expected if k not in self.reported]
         assert not unreported, f"transfers never reported: {unreported}"

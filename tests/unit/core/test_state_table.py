@@ -39,6 +39,8 @@ SEND_EVENTS = [
     ev.WriteFailed("t0", FailReason.WRITE_ERROR),
     ev.Cancelled("t0", 0, d_addr(0), FailReason.ABORTED),
     ev.HeartbeatSeen("t0"),
+    ev.SourceReclaimed("t0"),
+    ev.Cancelled("t0", 0, d_addr(0), FailReason.NOT_NEEDED),
     DeadlinePassed("t0"),
 ]
 
@@ -82,6 +84,8 @@ def test_every_send_pair(state: SendState, prefilled: bool, event: object) -> No
     frees = [a for a in actions if isinstance(a, ev.FreeBlocks)]
     if isinstance(event, ev.PrefillDone) and rec.state.terminal:
         assert len(frees) == 1, "blocks handed over for a dead transfer must come back at once"
+    elif isinstance(event, ev.SourceReclaimed):
+        assert not frees and not any(isinstance(a, ev.IssueWrite) for a in actions)
     else:
         assert len(frees) == int(held_before and not rec.blocks_held)
 
@@ -91,7 +95,8 @@ def test_every_send_event_on_an_unknown_transfer(event: object) -> None:
     try:
         rec, actions = send_transition(None, event, SEND_CTX)
     except (LocalProtocolError, RemoteProtocolError):
-        assert isinstance(event, (ev.WriteDone, ev.WriteFailed, ev.HeartbeatSeen, DeadlinePassed))
+        assert isinstance(event, (ev.WriteDone, ev.WriteFailed, ev.HeartbeatSeen, DeadlinePassed,
+                                  ev.SourceReclaimed))
         return
     assert rec is not None
     _check_send_actions(rec, actions)
