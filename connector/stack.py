@@ -74,7 +74,7 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _tail(path: Path, n: int) -> str:
+def tail_lines(path: Path, n: int) -> str:
     try:
         with path.open("r", errors="replace") as f:
             return "".join(deque(f, maxlen=n))
@@ -257,7 +257,7 @@ class VllmServer:
             stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 40) -> str:
-        return _tail(self.log, n)
+        return tail_lines(self.log, n)
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         """Poll GET /health until 200. Raise ServerError at once if the process exits, or

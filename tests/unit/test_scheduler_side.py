@@ -1,0 +1,192 @@
+"""The scheduler role's bookkeeping, with small stand-ins for vLLM's Request, KVCacheBlocks,
+SchedulerOutput and KVConnectorOutput (pure logic; the real vLLM runs in tests/e2e)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.metadata import Handshake
+from connector.scheduler_side import ReqState, SchedulerSide
+
+D_LEG = {"do_remote_prefill": True, "transfer_id": "t1", "remote_engine_id": "prefill",
+         "remote_host": "127.0.0.1", "remote_port": 5000}
+
+
+@dataclass
+class Req:
+    request_id: str
+    kv_transfer_params: Any
+    num_prompt_tokens: int = 300
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class Blocks:
+    groups: list[list[int]]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return self.groups
+
+
+@dataclass
+class Manager:
+    ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+
+    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
+        return self.ids[rid]
+
+
+@dataclass
+class SchedOut:
+    num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ConnOut:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+
+
+def producer() -> tuple[SchedulerSide, Manager]:
+    s = SchedulerSide("prefill", is_producer=True, is_consumer=False)
+    m = Manager()
+    s.bind_kv_cache_manager(m)
+    s.set_handshakes({0: Handshake("prefill-tp0-x", "127.0.0.1", 5000)})
+    return s, m
+
+
+def test_push_starts_in_the_step_that_completes_the_prompt() -> None:
+    s, m = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    m.ids["r1"] = ([3, 4, 5],)
+    assert s.build_connector_meta(SchedOut({"r1": 200})).prefills == []  # chunk 1 of 2
+    req.num_computed_tokens = 200
+    plan = s.build_connector_meta(SchedOut({"r1": 100}))
+    assert [(p.transfer_id, p.block_ids, p.num_tokens) for p in plan.prefills] == [("t1", ((3, 4, 5),), 300)]
+    assert s.has_pending_push_work()
+    assert s.build_connector_meta(SchedOut({"r1": 1})).prefills == []  # staged once
+
+
+def test_blocks_stay_until_every_worker_finished_sending() -> None:
+    s, m = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    m.ids["r1"] = ([1],)
+    s.build_connector_meta(SchedOut({"r1": 300}))
+    delay, params = s.request_finished(req, ([1],))
+    assert delay and params["transfer_id"] == "t1" and list(params["pushkv"]["agents"]) == ["prefill-tp0-x"]
+    out = ConnOut(finished_sending={"r1"})
+    s.update_connector_output(out)
+    assert out.finished_sending == {"r1"} and not s.has_pending_push_work()
+
+
+def test_a_push_done_before_request_finished_is_held_back() -> None:
+    s, m = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    m.ids["r1"] = ([1],)
+    s.build_connector_meta(SchedOut({"r1": 300}))
+    out = ConnOut(finished_sending={"r1", "stranger"})
+    s.update_connector_output(out)
+    assert out.finished_sending == set(), "vLLM may only free finished requests"
+    assert s.request_finished(req, ([1],))[0] is False  # nothing left in flight: free now
+
+
+def test_prefill_aborted_before_its_prompt_completed_tells_the_worker() -> None:
+    s, _ = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    assert s.request_finished(req, ([1],))[0] is False
+    (abort,) = s.build_connector_meta(SchedOut({})).aborts
+    assert (abort.transfer_id, abort.kind) == ("t1", "prefill_aborted")
+
+
+def test_preempted_after_the_push_began_is_reclaimed_and_never_pushed_again() -> None:
+    s, m = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    m.ids["r1"] = ([1, 2],)
+    s.build_connector_meta(SchedOut({"r1": 300}))
+    plan = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r1"}))
+    assert plan.reclaimed == ["t1"]
+    req.num_computed_tokens = 0  # recomputed from scratch later
+    assert s.build_connector_meta(SchedOut({"r1": 300})).prefills == []
+    out = ConnOut(finished_sending={"r1"})
+    s.update_connector_output(out)
+    assert out.finished_sending == set()
+    assert s.request_finished(req, ([1, 2],))[0] is False
+
+
+def test_probe_returns_coordinates_and_is_not_tracked() -> None:
+    s, _ = producer()
+    req = Req("p", {"pushkv_probe": True})
+    s.on_new_request(req)
+    delay, params = s.request_finished(req, ([1],))
+    assert not delay and params == {"pushkv": {"engine_id": "prefill", "host": "127.0.0.1",
+                                               "port": 5000, "tp_size": 1, "ports": (5000,),
+                                               "agents": ("prefill-tp0-x",)}}
+
+
+def consumer() -> SchedulerSide:
+    return SchedulerSide("decode", is_producer=False, is_consumer=True)
+
+
+def test_decode_registers_the_uncached_suffix_when_blocks_are_allocated() -> None:
+    s = consumer()
+    req = Req("d1", dict(D_LEG))
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 128) == (172, True)
+    assert s.get_num_new_matched_tokens(req, 128) == (172, True)  # side-effect free
+    s.update_state_after_alloc(req, Blocks([[9, 10]]), 172)
+    (reg,) = s.build_connector_meta(SchedOut({})).registrations
+    assert (reg.block_ids, reg.first_token, reg.num_tokens) == (((9, 10),), 128, 300)
+    s.update_state_after_alloc(req, Blocks([[9, 10, 11]]), 0)  # second call after the load
+    assert s.build_connector_meta(SchedOut({})).empty()
+
+
+def test_decode_full_hit_frees_p_at_once() -> None:
+    s = consumer()
+    req = Req("d1", dict(D_LEG))
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 299) == (0, False)
+    s.update_state_after_alloc(req, Blocks([[1]]), 0)
+    (abort,) = s.build_connector_meta(SchedOut({})).aborts
+    assert abort.kind == "not_needed"
+
+
+def test_decode_abort_while_receiving_waits_for_finished_recving() -> None:
+    s = consumer()
+    req = Req("d1", dict(D_LEG))
+    s.on_new_request(req)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, Blocks([[1, 2, 3]]), 300)
+    s.build_connector_meta(SchedOut({}))
+    assert s.request_finished(req, ([1, 2, 3],)) == (False, None)
+    (abort,) = s.build_connector_meta(SchedOut({})).aborts
+    assert abort.kind == "aborted"
+    out = ConnOut(finished_recving={"d1"})
+    s.update_connector_output(out)
+    assert out.finished_recving == {"d1"}  # vLLM frees the held blocks now
+    assert s._reqs == {}
+
+
+def test_malformed_decode_leg_is_served_locally_with_the_reason() -> None:
+    s = consumer()
+    for bad in ({"do_remote_prefill": True}, {**D_LEG, "remote_port": "x"},
+                {**D_LEG, "transfer_id": "has space"}, {**D_LEG, "remote_tp_size": 0}):
+        req = Req("d", bad)
+        s.on_new_request(req)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        delay, params = s.request_finished(req, ([1],))
+        assert not delay and "kv_transfer_params" in params["pushkv_error"]
+    assert s._reqs == {}
+
+
+def test_states_are_records_not_set_membership() -> None:
+    s = consumer()
+    req = Req("d1", dict(D_LEG))
+    s.on_new_request(req)
+    assert s._reqs["d1"].state is ReqState.AWAITING_ALLOC
