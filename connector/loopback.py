@@ -43,6 +43,7 @@ class RankSpec:
     order: Literal["HND", "NHD"] = "HND"
     p_tp: int = 1  # for D: the P engine's TP size (to know who writes to us)
     seed: int = 0
+    device: str = "cpu"  # "cpu" (numpy, DRAM) or "cuda:N" (torch, VRAM)
     send_policy: SenderPolicy = field(default_factory=SenderPolicy)
     recv_policy: ReceiverPolicy = field(default_factory=ReceiverPolicy)
     dial_timeout_s: float = 5.0
@@ -64,19 +65,39 @@ class RankSpec:
         inner = (h, self.block_size) if self.order == "HND" else (self.block_size, h)
         return (self.num_layers, self.num_blocks, *inner, self.token_bytes)
 
-    def allocate(self) -> np.ndarray:
-        """P: seeded random bytes (so a misplaced byte shows); D: zeros."""
+    def allocate(self) -> Any:
+        """P: seeded random bytes (so a misplaced byte shows); D: zeros. On CUDA a torch
+        tensor, created before the transport so CUDA is up when UCX starts."""
+        if self.device != "cpu":
+            import torch
+
+            dev = torch.device(self.device)
+            torch.cuda.set_device(dev)
+            if self.role == "P":
+                g = torch.Generator(device=dev).manual_seed(self.seed * 1000 + self.rank)
+                return torch.randint(1, 256, self.shape(), dtype=torch.uint8, device=dev, generator=g)
+            return torch.zeros(self.shape(), dtype=torch.uint8, device=dev)
         if self.role == "P":
             rng = np.random.default_rng(self.seed * 1000 + self.rank)
             return rng.integers(1, 256, size=self.shape(), dtype=np.uint8)
         return np.zeros(self.shape(), dtype=np.uint8)
 
-    def layout(self, buf: np.ndarray) -> KVLayout:
+    def layout(self, buf: Any) -> KVLayout:
         block_stride = int(np.prod(buf.shape[2:]))
-        regions = tuple(Region(layer=l, group=0, part=0, base_addr=int(buf[l].ctypes.data),
+        cuda = self.device != "cpu"
+        addr = (lambda l: int(buf[l].data_ptr())) if cuda else (lambda l: int(buf[l].ctypes.data))
+        regions = tuple(Region(layer=l, group=0, part=0, base_addr=addr(l),
                                block_stride=block_stride) for l in range(self.num_layers))
         return KVLayout(block_size=self.block_size, num_blocks=self.num_blocks, heads=self.heads,
-                        token_bytes=self.token_bytes, order=self.order, regions=regions)
+                        token_bytes=self.token_bytes, order=self.order, regions=regions,
+                        mem_type="VRAM" if cuda else "DRAM",
+                        device_id=int(buf.device.index or 0) if cuda else 0)
+
+
+def torch_int64() -> Any:
+    import torch
+
+    return torch.int64
 
 
 def _cpu_seconds() -> float:
@@ -96,7 +117,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     buf = spec.allocate()
     layout = spec.layout(buf)
     transport = NixlTransport(spec.agent, listen_port=spec.port)
-    transport.register_memory(layout.memory_extents())
+    transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9))
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
@@ -121,7 +142,14 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
                 conn.send(("ok", thread.take_finished_sending(), thread.take_finished_recving(),
                            list(reports)))
             elif cmd == "read":
-                conn.send(("ok", buf.copy()))
+                conn.send(("ok", buf.cpu().numpy() if spec.device != "cpu" else buf.copy()))
+            elif cmd == "block_sums":  # (layers, blocks) checksums, cheap to ship back
+                ids = list(args[0])
+                if spec.device != "cpu":
+                    sums = buf[:, ids].reshape(spec.num_layers, len(ids), -1).to(dtype=torch_int64()).sum(-1)
+                    conn.send(("ok", sums.cpu().numpy()))
+                else:
+                    conn.send(("ok", buf[:, ids].reshape(spec.num_layers, len(ids), -1).astype(np.int64).sum(-1)))
             elif cmd == "cpu":
                 conn.send(("ok", _cpu_seconds()))
             elif cmd == "counters":
@@ -192,6 +220,9 @@ class RankProcess:
 
     def read(self) -> np.ndarray:
         return self.call("read")[0]
+
+    def block_sums(self, block_ids: list[int]) -> np.ndarray:
+        return self.call("block_sums", block_ids, timeout_s=120)[0]
 
     def cpu_seconds(self) -> float:
         return self.call("cpu")[0]
