@@ -60,7 +60,7 @@ class Receiver:
             return
         if isinstance(event, ev.Expected):
             self._expected[event.transfer_id] = event
-        self._run(self._handle(event, now_ns), now_ns)
+        self._run(self.table.handle(event, now_ns), now_ns)
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
         if not isinstance(msg, (m.Completion, m.Fail)):
@@ -75,7 +75,7 @@ class Receiver:
             event: ev.ReceiverEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
         else:
             event = ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason)
-        self._run(self._handle(event, now_ns), now_ns)
+        self._run(self.table.handle(event, now_ns), now_ns)
 
     def poll(self, now_ns: int) -> None:
         nxt = self.table.next_deadline_ns()
@@ -84,17 +84,6 @@ class Receiver:
 
     def busy(self) -> bool:
         return self.table.awaiting_network()
-
-    def _handle(self, event: object, now_ns: int) -> list:
-        """Feed the table; a message it drops (stale, duplicate, out of turn) is logged,
-        throttled to the 1st, 2nd, 4th... so a misbehaving peer cannot flood the log."""
-        before = sum(self.table.dropped.values())
-        actions = self.table.handle(event, now_ns)  # type: ignore[arg-type]
-        total = sum(self.table.dropped.values())
-        if total > before and total & (total - 1) == 0:
-            logger.warning("Dropped %s: %s (%d dropped so far)", type(event).__name__,
-                           self.table.last_drop, total)
-        return actions
 
     # ------------------------------------------------------------------ actions
     def _run(self, actions: list, now_ns: int) -> None:
@@ -142,7 +131,7 @@ class Receiver:
             logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
             reason = m.FailReason.PEER_LOST if isinstance(exc, PeerDisconnected) else m.FailReason.HANDSHAKE
             now = self._clock()
-            self._run(self._handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
+            self._run(self.table.handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
         return fail
 
     def _count_failure(self, exc: TransportError) -> None:
@@ -154,5 +143,5 @@ class Receiver:
             self.counters["heartbeat_failed"] += 1
             if isinstance(exc, PeerDisconnected):
                 now = self._clock()
-                self._run(self._handle(ev.PeerLost(addr.agent), now), now)
+                self._run(self.table.handle(ev.PeerLost(addr.agent), now), now)
         return fail

@@ -80,7 +80,7 @@ class Sender:
             event = ev.WriteFailed(event.transfer_id, m.FailReason.PREFILL_ABORTED, "preempted")
         if ready is not None and isinstance(event, ev.PrefillDone):
             self._ready[event.transfer_id] = ready
-        self._run(self._handle(event, now_ns), now_ns)
+        self._run(self.table.handle(event, now_ns), now_ns)
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
         if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)) and msg.d_addr.agent != agent:
@@ -91,13 +91,13 @@ class Sender:
         if isinstance(msg, m.Register):
             # Fetch D's metadata now, while P may still be computing: off the critical path.
             self.peers.when_ready(msg.d_addr, now_ns, _noop, _noop_fail)
-            self._run(self._handle(ev.Registered(msg), now_ns), now_ns)
+            self._run(self.table.handle(ev.Registered(msg), now_ns), now_ns)
         elif isinstance(msg, m.Cancel):
-            self._run(self._handle(
+            self._run(self.table.handle(
                 ev.Cancelled(msg.transfer_id, msg.d_rank, msg.d_addr, msg.reason), now_ns), now_ns)
         elif isinstance(msg, m.Heartbeat):
             for tid in msg.transfer_ids():
-                self._run(self._handle(ev.HeartbeatSeen(tid), now_ns), now_ns)
+                self._run(self.table.handle(ev.HeartbeatSeen(tid), now_ns), now_ns)
         else:
             self.counters[f"unexpected_{type(msg).__name__}"] += 1
 
@@ -117,17 +117,6 @@ class Sender:
     def busy(self) -> bool:
         """Something on the critical path may happen any moment: poll fast."""
         return bool(self._writes or self._deferred) or self.table.awaiting_network()
-
-    def _handle(self, event: object, now_ns: int) -> list:
-        """Feed the table; a message it drops (stale, duplicate, out of turn) is logged,
-        throttled to the 1st, 2nd, 4th... so a misbehaving peer cannot flood the log."""
-        before = sum(self.table.dropped.values())
-        actions = self.table.handle(event, now_ns)  # type: ignore[arg-type]
-        total = sum(self.table.dropped.values())
-        if total > before and total & (total - 1) == 0:
-            logger.warning("Dropped %s: %s (%d dropped so far)", type(event).__name__,
-                           self.table.last_drop, total)
-        return actions
 
     # ------------------------------------------------------------------ actions
     def _run(self, actions: list, now_ns: int) -> None:
@@ -178,7 +167,7 @@ class Sender:
                 plans.append((reg, pieces))
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
-            self._run(self._handle(ev.WriteFailed(a.transfer_id, m.FailReason.LAYOUT_MISMATCH,
+            self._run(self.table.handle(ev.WriteFailed(a.transfer_id, m.FailReason.LAYOUT_MISMATCH,
                                                        str(exc)), now_ns), now_ns)
             return
         report.prepared_ns = time.time_ns()
@@ -245,7 +234,7 @@ class Sender:
         if self._on_write_finished is not None:
             self._on_write_finished(w.report)
         event = ev.WriteDone(tid) if w.failure is None else ev.WriteFailed(tid, w.failure, w.detail)
-        self._run(self._handle(event, now_ns), now_ns)
+        self._run(self.table.handle(event, now_ns), now_ns)
 
     def _release(self, h: WriteHandle) -> None:
         try:

