@@ -1,0 +1,64 @@
+"""Tracer set-up for one process, from the standard OpenTelemetry environment variables.
+
+Owns: choosing the sink and building the ``TracerProvider``. Entry points call
+``setup_tracing`` once; library code only takes a ``tracer_provider`` (default: the global
+one) and imports the OpenTelemetry API, never this module's SDK objects.
+
+Sinks: ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set -> OTLP
+(``OTEL_EXPORTER_OTLP_PROTOCOL`` ``grpc`` or ``http/protobuf``, the default); otherwise OTLP JSON
+lines in ``<run dir>/traces-<service>-<pid>.jsonl`` (run dir: the ``run_dir`` argument, else
+``PUSHKV_RUN_DIR``, else ``runs/latest``). ``OTEL_SDK_DISABLED=true`` turns tracing off.
+Sampling is the SDK's (``OTEL_TRACES_SAMPLER``, default parent-based always-on), so P and D
+follow the router's decision and a trace is never half-sampled. Spans are flushed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from pathlib import Path
+from typing import Any
+
+from telemetry.schema import Resource as R
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[str] | None = None,
+                  attributes: dict[str, Any] | None = None, set_global: bool = True) -> Any:
+    """Build (and by default install) this process's TracerProvider; None when disabled."""
+    if _env("OTEL_SDK_DISABLED").lower() == "true":
+        return None
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    name = _env("OTEL_SERVICE_NAME") or service_name
+    resource = Resource.create({R.SERVICE_NAME.value: name, R.ROLE.value: role, **(attributes or {})})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(
+        _exporter(name, run_dir), max_queue_size=65536, max_export_batch_size=2048,
+        schedule_delay_millis=500))
+    if set_global:
+        trace.set_tracer_provider(provider)
+    atexit.register(provider.shutdown)  # flushes: spans are not lost when the process exits
+    return provider
+
+
+def _exporter(service: str, run_dir: str | os.PathLike[str] | None) -> Any:
+    endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint:
+        proto = (_env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
+                 or "http/protobuf")
+        if proto == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            return OTLPSpanExporter()  # reads the endpoint and headers from the environment
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+        return Http()
+    from telemetry.exporters import JsonLinesSpanExporter
+
+    folder = Path(run_dir or _env("PUSHKV_RUN_DIR") or "runs/latest")
+    return JsonLinesSpanExporter(folder / f"traces-{service}-{os.getpid()}.jsonl")

@@ -1,0 +1,53 @@
+"""The JSON-lines exporter writes OTLP/JSON (hex ids, integer enums) that parses back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind, StatusCode
+
+from telemetry.exporters import JsonLinesSpanExporter
+from telemetry.schema import Attr, Span
+from telemetry.setup import setup_tracing
+
+
+def test_spans_round_trip_as_otlp_json(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "traces-test.jsonl"
+    exporter = JsonLinesSpanExporter(path)
+    provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-test"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("pushkv")
+    with tracer.start_as_current_span(Span.REQUEST.value, kind=SpanKind.SERVER) as root:
+        child = tracer.start_span(Span.WRITE.value, start_time=1_000, attributes={Attr.BYTES.value: 4096})
+        child.set_status(StatusCode.ERROR, "lease_expired")
+        child.end(end_time=2_000)
+    provider.shutdown()
+    lines = path.read_text().splitlines()
+    spans = [sp for line in lines for rs in json.loads(line)["resourceSpans"]
+             for ss in rs["scopeSpans"] for sp in ss["spans"]]
+    by_name = {sp["name"]: sp for sp in spans}
+    write, req = by_name[Span.WRITE.value], by_name[Span.REQUEST.value]
+    assert write["traceId"] == format(root.get_span_context().trace_id, "032x")
+    assert write["parentSpanId"] == req["spanId"] and len(req["spanId"]) == 16
+    assert req["kind"] == 2 and write["status"]["code"] == 2
+    assert (int(write["startTimeUnixNano"]), int(write["endTimeUnixNano"])) == (1_000, 2_000)
+    assert {"key": Attr.BYTES.value, "value": {"intValue": "4096"}} in write["attributes"]
+
+
+def test_setup_defaults_to_one_file_per_process(tmp_path: Path, monkeypatch) -> None:
+    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    provider = setup_tracing("pushkv-unit", role="router", run_dir=tmp_path, set_global=False)
+    provider.get_tracer("t").start_span("x").end()
+    provider.shutdown()
+    (f,) = tmp_path.glob("traces-pushkv-unit-*.jsonl")
+    assert "resourceSpans" in f.read_text()
+
+
+def test_setup_can_be_disabled(monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert setup_tracing("x", role="router", set_global=False) is None
