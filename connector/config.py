@@ -34,9 +34,11 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 5.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
     dial_timeout_s: Seconds = 10.0
-    # Transfer-thread polling: fast while something is expected, slow when idle.
+    # Transfer-thread polling: fast while something is expected, slow when idle. Idle is
+    # off the critical path: an engine event wakes the thread at once, and a transfer in
+    # progress (D waiting, P holding blocks or writing) switches it to fast polling.
     poll_hot_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.001
-    poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.005
+    poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     tombstone_s: Seconds = 120.0
 
     def sender_policy(self) -> SenderPolicy:

@@ -2,8 +2,9 @@
 
 Owns: ``RouterProcess`` (``pushkv router`` as a child process: start, ``/health``, stop by
 process group), ``PdStack`` (the P and D command lines and environments per connector, the
-ports, the CPU binding, the run folder with one log per process) and ``CONNECTORS`` (which
-router mode and loading each supported connector needs).
+ports, the CPU binding, the run folder with one log per process), ``CONNECTORS`` (which
+router mode and loading each supported connector needs), and ``metric_sum``, which reads one
+metric out of a server's Prometheus ``/metrics`` text (tests and the demo take deltas of it).
 
 Why the CPU binding: vLLM's CPU worker pins each engine to the cores of its OpenMP pool, and
 with ``VLLM_CPU_OMP_THREADS_BIND=auto`` both P and D land on CPU 0 and starve each other
@@ -15,6 +16,7 @@ Must not import vLLM, NIXL or torch (see ``connector.stack``). Needs only httpx.
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 import time
@@ -53,6 +55,25 @@ CONNECTORS: dict[str, ConnectorSpec] = {
 }
 
 PREFILL_ENGINE_ID, DECODE_ENGINE_ID = "prefill", "decode"
+ROUTER_HEALTH_TIMEOUT_S = 5.0  # overridable: router_args come later and argparse keeps the last
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_sum(metrics_text: str, name: str, **labels: str) -> float | None:
+    """The sum of every sample of ``name`` whose labels include ``labels``, in Prometheus
+    text format (``name{a="x",...} value``); None if there is no such sample."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m[1] != name:
+            continue
+        have = dict(_LABEL.findall(m[2] or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m[3])
+            seen = True
+    return total if seen else None
 
 
 def _distinct_free_ports(n: int) -> list[int]:
@@ -181,7 +202,9 @@ class PdStack:
                                     self.prefill_extra_config, self.prefill_cpus, p_side, spec)
         self.decode = self._server("decode", d_port, "kv_consumer", DECODE_ENGINE_ID,
                                    self.decode_extra_config, self.decode_cpus, d_side, spec)
-        router_args = list(self.router_args)
+        # One health check that times out marks a backend down (503s until the next good
+        # check); the router's 1 s default is too short for a busy 2-core box.
+        router_args = ["--health-timeout", str(ROUTER_HEALTH_TIMEOUT_S), *self.router_args]
         if spec.router_mode == "vllm-push":  # NixlPushConnector has no probe: say where P is
             router_args = ["--prefill-engine-id", PREFILL_ENGINE_ID, "--prefill-kv-host",
                            "127.0.0.1", "--prefill-kv-port", str(p_side),

@@ -8,7 +8,7 @@ entered from two threads and nothing of the transfer runs on the engine's loop.
 Polling, not blocking: with NIXL's progress thread off, UCX progresses only inside our
 calls. While something is expected (a completion, a registration for held blocks, a WRITE
 in flight) the loop polls every ``hot_min_s``, backing off to ``hot_max_s`` while nothing
-arrives; otherwise it sleeps ``idle_s`` (an idle pair then costs well under 1 % of a core).
+arrives; otherwise it sleeps ``idle_s`` (an idle pair then costs about 0.1 % of a core).
 A submit wakes it at once.
 """
 
@@ -61,7 +61,7 @@ def _unpin() -> None:
 class TransferThread:
     def __init__(self, transport: Transport, peers: Peers, *, sender: Sender | None = None,
                  receiver: Receiver | None = None, name: str = "pushkv-transfer",
-                 hot_min_s: float = 20e-6, hot_max_s: float = 1e-3, idle_s: float = 5e-3,
+                 hot_min_s: float = 20e-6, hot_max_s: float = 1e-3, idle_s: float = 0.05,
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
         if sender is None and receiver is None:
             raise ValueError("a transfer thread needs a sender, a receiver or both")

@@ -142,12 +142,15 @@ class Backends:
 
     async def _check(self, b: Backend) -> None:
         before = b.load.health
+        answered = True
         try:
             r = await b.http.get("/health", timeout=self.config.health_timeout_s)
             ok = r.status_code == 200
+        except httpx.TimeoutException:
+            ok, answered = False, False  # maybe just a loaded host: tolerated a few times
         except httpx.HTTPError:
             ok = False
-        came_back = b.load.record_health(ok)
+        came_back = b.load.record_health(ok, answered=answered)
         if b.load.health is not before:
             log = logger.info if ok else logger.warning
             log("router backend %s: %s -> %s", b.name, before.value, b.load.health.value)

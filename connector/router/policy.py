@@ -15,6 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
+DOWN_AFTER = 3
+
+
 class Health(enum.Enum):
     UNKNOWN = "unknown"  # not checked yet: not used
     HEALTHY = "healthy"  # last /health answered 200
@@ -33,16 +36,24 @@ class BackendLoad:
     outstanding: int = 0  # legs sent and not finished
     dispatched: int = 0  # legs ever sent
     failed: int = 0  # legs that ended in an error (any kind)
+    missed: int = 0  # health checks failed in a row
 
     @property
     def eligible(self) -> bool:
         return self.health is Health.HEALTHY and self.ready
 
-    def record_health(self, ok: bool) -> bool:
+    def record_health(self, ok: bool, *, answered: bool = True) -> bool:
         """Apply one health-check result. True when the backend just became healthy
         (from unknown, down or suspect): the caller re-learns what a restart may change."""
         came_back = ok and self.health is not Health.HEALTHY
-        self.health = Health.HEALTHY if ok else Health.DOWN
+        self.missed = 0 if ok else self.missed + 1
+        # A check that timed out (``answered=False``) on a loaded host must not take the
+        # only D out of service: a healthy backend goes down after DOWN_AFTER timeouts in a
+        # row. A refused connection or a non-200 answer takes it down at once.
+        if ok:
+            self.health = Health.HEALTHY
+        elif answered or self.health is not Health.HEALTHY or self.missed >= DOWN_AFTER:
+            self.health = Health.DOWN
         return came_back
 
     def record_leg_failure(self, *, suspect: bool) -> None:

@@ -41,6 +41,7 @@ KV_USAGE_METRIC = "vllm:kv_cache_usage_perc"
 METRIC_SETTLE_S = 10.0
 IDLE_WAIT_S = 90.0  # covers P's 30 s lease, should anything be stranded
 IDLE_WINDOW_S = 10.0
+SETTLE_WAIT_S = 30.0
 IDLE_CPU_MAX_PCT = 5.0
 
 
@@ -175,8 +176,8 @@ def test_greedy_equals_single_instance(pd: Pd) -> None:
     delta = {k: after[k] - before[k] for k in after}
     print(f"\n[pd] D prompt tokens by source over {total} prompt tokens: {delta}")
     # Taken before the references: they compute locally on D.
-    assert delta["external_kv_transfer"] == total, delta
-    assert delta["local_compute"] == 0, delta
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, \
+        f"D did not take all {total} prompt tokens from P: {delta}; logs in {pd.stack.run_dir}"
     for n, prompt in prompts.items():
         assert_matches_reference(disagg[n], reference(pd, prompt), f"{n}-token prompt")
 
@@ -199,8 +200,9 @@ def test_negative_control_kv_comes_from_prefill(pd: Pd) -> None:
         got = d_future.result(timeout=120)
         p_future.result(timeout=120)
     after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + n)
-    assert after["external_kv_transfer"] - before["external_kv_transfer"] == n
-    assert after["local_compute"] == before["local_compute"]
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["external_kv_transfer"] == n and delta["local_compute"] == 0, \
+        f"D did not take the {n} prompt tokens from P: {delta}; logs in {pd.stack.run_dir}"
     ref = reference(pd, d_prompt)
     text, tokens, lps = choice(got)
     ref_text, ref_tokens, ref_lps = choice(ref)
@@ -290,13 +292,25 @@ def test_kv_cache_returns_to_idle(pd: Pd) -> None:
         f"KV blocks still held {IDLE_WAIT_S:.0f} s after the last request: {usage}"
 
 
+def cpu_pct(pd: Pd, window_s: float) -> float:
+    """Both servers' CPU use over the next ``window_s``, in % of one core."""
+    cpu0, t0 = pd.stack.server_cpu_s(), time.monotonic()
+    time.sleep(window_s)  # a measurement window, not a synchronisation
+    return (pd.stack.server_cpu_s() - cpu0) / (time.monotonic() - t0) * 100
+
+
 def test_idle_pair_uses_almost_no_cpu(pd: Pd) -> None:
     usage = wait_idle(pd)
     assert usage == {"prefill": 0.0, "decode": 0.0}, f"not idle: {usage}"
-    stack = pd.stack
-    cpu0, t0 = stack.server_cpu_s(), time.monotonic()
-    time.sleep(IDLE_WINDOW_S)  # the measurement window, not a synchronisation
-    cpu1, t1 = stack.server_cpu_s(), time.monotonic()
-    pct = (cpu1 - cpu0) / (t1 - t0) * 100
-    print(f"\n[pd] idle P+D: {cpu1 - cpu0:.2f} CPU s over {t1 - t0:.1f} s = {pct:.2f} % of a core")
+    # vLLM's own worker busy-spins on its shared-memory queue for 1 s after each step
+    # (SpinCondition, busy_loop_s=1, in vllm/distributed/device_communicators/
+    # shm_broadcast.py), so the pair is quiet only a moment after its last request.
+    t0, deadline = time.monotonic(), time.monotonic() + SETTLE_WAIT_S
+    while (settle := cpu_pct(pd, 1.0)) >= IDLE_CPU_MAX_PCT:
+        assert time.monotonic() < deadline, \
+            f"P+D still use {settle:.1f} % of a core {SETTLE_WAIT_S:.0f} s after the traffic"
+    settled_s = time.monotonic() - t0
+    pct = cpu_pct(pd, IDLE_WINDOW_S)
+    print(f"\n[pd] idle P+D (quiet after {settled_s:.1f} s): {pct:.2f} % of a core over "
+          f"{IDLE_WINDOW_S:.0f} s (utime+stime of both servers' process groups)")
     assert pct < IDLE_CPU_MAX_PCT

@@ -59,7 +59,12 @@ def test_health_transitions() -> None:
     b.record_leg_failure(suspect=True)
     assert b.health is Health.SUSPECT and not b.eligible
     assert b.record_health(True) is True  # suspect -> healthy: re-learn (re-probe)
-    assert b.record_health(False) is False and b.health is Health.DOWN
+    timeout = dict(answered=False)
+    assert b.record_health(False, **timeout) is False and b.health is Health.HEALTHY  # slow once
+    assert b.record_health(False, **timeout) is False and b.health is Health.HEALTHY
+    assert b.record_health(False, **timeout) is False and b.health is Health.DOWN  # third in a row
+    assert b.record_health(True) is True
+    assert b.record_health(False) is False and b.health is Health.DOWN  # a 503: at once
     b.record_leg_failure(suspect=True)  # a late failure does not hide "down"
     assert b.health is Health.DOWN
 
