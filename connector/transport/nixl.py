@@ -1,11 +1,14 @@
 """The NIXL adapter: the only module of pushkv that calls NIXL.
 
 Owns: ``NixlTransport`` (the ``Transport`` Protocol over a NIXL agent), loading the nixl
-wheel lazily, and mapping every NIXL exception onto ``connector.core.errors``.
+wheel lazily, mapping every NIXL exception onto ``connector.core.errors``, and loading
+the peer metadata that our side channel (``transport/sidechannel.py``) receives.
 Must not import at module level: nixl, torch, vLLM (this module must import cheaply
-where nixl is not installed). It starts no threads of its own; NIXL's listener thread
-(metadata side channel) is the only one, and its progress thread stays off, so UCX
-makes progress only inside our calls (``poll_write``, ``get_notifs``, ``write``).
+where nixl is not installed). NIXL runs no threads: its listener is off (it binds
+0.0.0.0, never retries, and loads metadata from its own thread) and so is its progress
+thread, so UCX makes progress only inside our calls (``poll_write``, ``get_notifs``,
+``write``). The side channel's two threads never call NIXL; every NIXL call here is
+made by the thread that owns the transport (the transfer thread).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
@@ -20,20 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from connector.core.errors import (
-    LocalProtocolError,
-    PeerDisconnected,
-    PeerUnknown,
-    TransportError,
-)
-from connector.transport.base import (
-    DialBook,
-    WriteHandle,
-    check_mem_kind,
-    extents_to_rows,
-    tensor_extents,
-    validate_write_descs,
-)
+from connector.core.errors import (LocalProtocolError, PeerDisconnected, PeerUnknown,
+                                   PeerUnreachable, TransportError)
+from connector.transport.base import (DialBook, WriteHandle, check_mem_kind, extents_to_rows,
+                                      tensor_extents, validate_write_descs)
+from connector.transport.sidechannel import SideChannel
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +60,8 @@ def map_nixl_error(exc: BaseException, op: str, peer: str | None) -> TransportEr
     """One of our TransportErrors for a NIXL exception; the caller chains ``from exc``."""
     where = f"{op} (peer {peer!r})" if peer else op
     kind = type(exc).__name__
-    text = f"{where}: {kind}: {exc}"
-    if kind == "nixlRemoteDisconnectError":
-        return PeerDisconnected(text)
-    if kind == "nixlNotFoundError":
-        return PeerUnknown(text)
-    return TransportError(text)
+    ours = {"nixlRemoteDisconnectError": PeerDisconnected, "nixlNotFoundError": PeerUnknown}
+    return ours.get(kind, TransportError)(f"{where}: {kind}: {exc}")
 
 
 @contextmanager
@@ -86,33 +77,26 @@ def _nixl_call(op: str, peer: str | None = None) -> Iterator[None]:
 
 
 class NixlTransport:
-    """``Transport`` over one NIXL agent with its listener on ``listen_port``.
+    """``Transport`` over one NIXL agent; its side channel listens on ``listen_host:
+    listen_port`` only (port 0: an ephemeral port, see ``listen_address``).
 
-    Note: NIXL's listener binds every interface (0.0.0.0) on ``listen_port``; there is
-    no bind-address knob. ``listen_host`` is only what we tell peers to dial.
-    """
+    Metadata a peer sends us (it dialed us) or answers us (we dialed it) is loaded on
+    the owner's next ``progress``/``get_notifs``/``peer_ready``/``poll_peer``. A peer whose
+    metadata changed under the same name (restarted, or registered more memory) is
+    removed, then loaded: NIXL refuses new connection info over old (measured:
+    NIXL_ERR_NOT_ALLOWED, and the old entry is left unusable)."""
 
-    def __init__(
-        self,
-        agent_name: str,
-        *,
-        listen_host: str = "127.0.0.1",
-        listen_port: int,
-        backends: Sequence[str] = ("UCX",),
-        num_workers: int | None = None,
-    ) -> None:
+    def __init__(self, agent_name: str, *, listen_host: str = "127.0.0.1", listen_port: int = 0,
+                 backends: Sequence[str] = ("UCX",), num_workers: int | None = None,
+                 side_timeout_s: float = 1.0) -> None:
         api = load_nixl_api()
         self._name = agent_name
-        self._listen = (listen_host, int(listen_port))
-        # Backends are created explicitly (not via the config) so that a missing plugin
-        # fails here instead of being skipped with a warning, and so UCX gets num_workers.
-        cfg = api.nixl_agent_config(
-            enable_prog_thread=False,  # it busy-polls a core; we drive progress ourselves
-            enable_listen_thread=True,
-            listen_port=int(listen_port),
-            capture_telemetry=False,
-            backends=[],
-        )
+        # No progress thread (it busy-polls a core; we drive progress) and no listener
+        # (the side channel replaces it). Backends are created explicitly (not via the
+        # config) so a missing plugin fails here instead of being skipped with a warning,
+        # and so UCX gets num_workers.
+        cfg = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                    capture_telemetry=False, backends=[])
         with _nixl_call("create agent"):
             agent = api.nixl_agent(agent_name, cfg)
             plugins = agent.get_plugin_list()
@@ -124,12 +108,17 @@ class NixlTransport:
                 if backend == "UCX" and num_workers is not None:
                     params["num_workers"] = str(num_workers)
                 agent.create_backend(backend, params)
+        self._side = SideChannel(agent_name, listen_host, listen_port,
+                                 connect_timeout_s=side_timeout_s, io_timeout_s=side_timeout_s)
         self._agent: Any = agent
+        self._loaded: dict[str, bytes] = {}  # peer -> the metadata bytes we loaded for it
+        self.counters: Counter[str] = Counter()  # metadata loads, by outcome
         self._regs: list[Any] = []  # nixlRegDList per register call, for deregistration
         self._handles: set[WriteHandle] = set()
         self._inbox: list[tuple[str, bytes]] = []  # arrived during progress, not yet taken
         self._connected: set[str] = set()  # peers we already asked UCX to connect to
         self._dials = DialBook(self._fire_request, self.peer_ready)
+        self._publish()
 
     # -- identity -------------------------------------------------------------------
 
@@ -139,7 +128,12 @@ class NixlTransport:
 
     @property
     def listen_address(self) -> tuple[str, int]:
-        return self._listen
+        """The side channel's bound (host, port): the real port when asked for 0."""
+        return self._side.address
+
+    @property
+    def side_channel_counters(self) -> dict[str, int]:  # dials and dropped requests
+        return self._side.counters
 
     def _live_agent(self) -> Any:
         if self._agent is None:
@@ -148,15 +142,15 @@ class NixlTransport:
 
     # -- memory ---------------------------------------------------------------------
 
-    def register_memory(
-        self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM", device_id: int = 0
-    ) -> None:
+    def register_memory(self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM",
+                        device_id: int = 0) -> None:
         agent = self._live_agent()
         rows = extents_to_rows(extents, device_id)
         if rows.shape[0] == 0:
             return
         with _nixl_call(f"register {rows.shape[0]} {check_mem_kind(mem_type)} extents"):
             self._regs.append(agent.register_memory(rows, mem_type))
+        self._publish()
 
     def register_tensors(self, tensors: Sequence[Any]) -> None:
         for (mem_type, device_id), extents in tensor_extents(tensors).items():
@@ -172,28 +166,75 @@ class NixlTransport:
                     agent.deregister_memory(reg)
             except TransportError as exc:
                 first = first or exc
+        self._publish()
         if first is not None:
             raise first
+
+    def _publish(self) -> None:
+        """Our current metadata to the side channel: what every later exchange carries."""
+        with _nixl_call("get local metadata"):
+            self._side.set_local_metadata(self._live_agent().get_agent_metadata())
 
     # -- peers ----------------------------------------------------------------------
 
     def _fire_request(self, peer: str, host: str, port: int) -> None:
-        agent = self._live_agent()
-        # Send ours first: the listener thread handles its queue in order, so once the
-        # fetch has answered the send went to the same (then live) listener before it.
-        with _nixl_call("request metadata", peer):
-            agent.send_local_metadata(host, port)
-            agent.fetch_remote_metadata(peer, host, port)
+        self._live_agent()
+        self._side.request(peer, host, port)  # one round trip carries both directions
 
-    def request_peer(
-        self, peer: str, host: str, port: int, *, retry_interval_s: float = 0.05
-    ) -> None:
+    def _load_received(self) -> None:
+        """Load what the side channel received. A bad or misnamed blob is the peer's fault:
+        counted and logged, never raised (the dial retries, then times out)."""
+        for got in self._side.drain():
+            if self._loaded.get(got.peer) == got.metadata:
+                self.counters["md_unchanged"] += 1  # a peer dialing until it is ready
+                continue
+            try:
+                self._load(got.peer, got.metadata)
+            except TransportError as exc:
+                self.counters["md_rejected"] += 1
+                logger.warning("Metadata of %s (%s) not loaded: %s", got.peer, got.via, exc)
+
+    def _load(self, peer: str, metadata: bytes) -> None:
+        agent = self._live_agent()
+        if peer in self._loaded:
+            self.counters["md_reloaded"] += 1
+            self._unload(peer, "its metadata changed (restarted or re-registered)")
+        with _nixl_call("load metadata", peer):
+            got = agent.add_remote_agent(metadata)
+        name = got.decode("utf-8", "replace") if isinstance(got, bytes) else str(got)
+        if name != peer:
+            self.counters["md_name_mismatch"] += 1
+            if name not in self._loaded:  # don't keep an agent nobody asked for
+                with _nixl_call("unload misnamed metadata", name):
+                    agent.remove_remote_agent(name)
+            raise TransportError(f"load metadata (peer {peer!r}): it names agent {name!r}")
+        self._loaded[peer] = metadata
+        self.counters["md_loaded"] += 1
+
+    def _unload(self, peer: str, why: str | None) -> None:
+        """Release the peer's handles, forget its metadata. On a reload (``why``) unfinished
+        WRITEs fail at their next poll; not PeerDisconnected, whose handling (Peers.lost)
+        would remove the metadata just loaded."""
+        for handle in [h for h in self._handles if h.peer == peer]:
+            if why and not handle.done and handle.error is None:
+                handle.error = TransportError(f"write (peer {peer!r}): reloaded, {why}")
+            self._release_logged(handle)
+        self._connected.discard(peer)
+        self._loaded.pop(peer, None)
+        try:
+            with _nixl_call("remove peer", peer):
+                self._live_agent().remove_remote_agent(peer)
+        except PeerUnknown:
+            pass  # never loaded, or already removed: removing is idempotent
+
+    def request_peer(self, peer: str, host: str, port: int, *,
+                     retry_interval_s: float = 0.05) -> None:
         self._dials.request(peer, host, port, retry_interval_s, time.monotonic())
 
     def peer_ready(self, peer: str) -> bool:
         agent = self._live_agent()
-        with _nixl_call("check metadata", peer):
-            ready = bool(agent.check_remote_metadata(peer))
+        self._load_received()
+        ready = peer in self._loaded
         if ready and peer not in self._connected:
             # Eager UCX wire-up, so the first WRITE does not pay the lazy connect.
             self._connected.add(peer)
@@ -205,35 +246,23 @@ class NixlTransport:
         self.progress()  # a dialing loop also wires up endpoints already connecting
         return self._dials.poll(peer, now_s)
 
-    def connect(
-        self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05
-    ) -> None:
-        self._dials.connect(peer, host, port, timeout_s, retry_interval_s, poll=self.poll_peer)
+    def connect(self, peer: str, host: str, port: int, timeout_s: float,
+                retry_interval_s: float = 0.05) -> None:
+        try:
+            self._dials.connect(peer, host, port, timeout_s, retry_interval_s, poll=self.poll_peer)
+        except PeerUnreachable as exc:
+            last = self._side.last_error(peer)
+            raise PeerUnreachable(f"{exc}; last: {last}" if last else str(exc)) from None
 
     def remove_peer(self, peer: str) -> None:
-        agent = self._live_agent()
-        for handle in [h for h in self._handles if h.peer == peer]:
-            self._release_logged(handle)
+        self._live_agent()
         self._dials.forget(peer)
-        self._connected.discard(peer)
-        try:
-            with _nixl_call("remove peer", peer):
-                agent.remove_remote_agent(peer)
-        except PeerUnknown:
-            pass  # never loaded, or already removed: removing is idempotent
+        self._unload(peer, None)
 
     # -- writes ---------------------------------------------------------------------
 
-    def write(
-        self,
-        peer: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        notif: bytes,
-        *,
-        src_mem: str = "DRAM",
-        dst_mem: str = "DRAM",
-    ) -> WriteHandle:
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes, *,
+              src_mem: str = "DRAM", dst_mem: str = "DRAM") -> WriteHandle:
         agent = self._live_agent()
         src_a, dst_a, nbytes = validate_write_descs(src, dst)
         try:
@@ -324,6 +353,7 @@ class NixlTransport:
         """Drive UCX progress (get_new_notifs is the call that does it); what arrives is
         kept for the next get_notifs, so progress can be driven from anywhere."""
         agent = self._live_agent()
+        self._load_received()  # cheap when empty: one queue check
         with _nixl_call("get notifs"):
             new = agent.get_new_notifs()
         if new:
@@ -331,9 +361,8 @@ class NixlTransport:
 
     def _drain(self, rounds: int) -> None:
         """A few progress rounds, so UCX retires failed/cancelled requests. Measured: an
-        agent destroyed right after a WRITE failed on a dead peer, with no progress in
-        between, dies in UCX (``Assertion `ucs_arbiter_group_is_empty(group)' failed``,
-        SIGABRT); one progress call first avoids it."""
+        agent destroyed right after a WRITE failed on a dead peer, with no progress
+        between, aborts in UCX (``ucs_arbiter_group_is_empty(group)`` assertion)."""
         for _ in range(rounds):
             try:
                 self.progress()
@@ -346,6 +375,7 @@ class NixlTransport:
     def close(self) -> None:
         if self._agent is None:
             return
+        self._side.close()  # first: nothing arrives to load while we tear down
         for handle in list(self._handles):
             self._release_logged(handle)
         self._drain(10)
@@ -353,14 +383,13 @@ class NixlTransport:
             self.deregister_all()
         except TransportError as exc:
             logger.warning("Deregistering memory of %s failed: %s", self._name, exc)
-        for peer in set(self._dials.peers()) | self._connected:
+        for peer in set(self._dials.peers()) | self._connected | set(self._loaded):
             try:
                 self.remove_peer(peer)
             except TransportError as exc:
                 logger.warning("Removing peer %s from %s failed: %s", peer, self._name, exc)
         self._drain(10)
-        # Dropping the last reference destroys the C++ agent: its listener thread stops
-        # and the port is freed (measured: the socket is gone right after).
+        # Dropping the last reference destroys the C++ agent.
         self._agent = None
         self._handles.clear()
 

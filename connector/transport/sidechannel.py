@@ -1,0 +1,399 @@
+"""The metadata side channel: peers swap NIXL agent metadata over one TCP round trip.
+
+Owns: the wire frame (``encode_frame``, ``FrameReader``: sans-IO, tested without
+sockets), the server thread that answers exchanges on ``listen_host:port`` only, the
+single client worker that dials peers, and the inbox through which both hand received
+metadata to the owning thread.
+Must not import: nixl, torch, vLLM, or other pushkv modules except ``core.errors``.
+Nothing here calls NIXL: the owner (``NixlTransport``, on the transfer thread) drains
+``drain()`` and loads what it gets, because NIXL is called from one thread only.
+
+Wire (version 1), both directions the same frame:
+    magic b"PKSC" | version u8 | kind u8 | name_len u16 | md_len u32 | name | metadata
+A client sends EXCHANGE (its name and metadata); the server queues them and answers
+REPLY (its name and current metadata), then closes. Anything else (wrong magic or
+version, unknown kind, oversized, truncated, stalled) closes the connection and is
+counted under ``counters["dropped_<reason>"]``; the server never stops serving for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import selectors
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+from connector.core.errors import LocalProtocolError, RemoteProtocolError, TransportError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PKSC"
+VERSION = 1
+KIND_EXCHANGE = 1
+KIND_REPLY = 2
+_KINDS = (KIND_EXCHANGE, KIND_REPLY)
+HEADER = struct.Struct("!4sBBHI")  # magic, version, kind, name_len, md_len
+MAX_NAME_BYTES = 1024
+MAX_METADATA_BYTES = 64 << 20  # NIXL metadata is KBs; 64 MiB leaves room for huge layouts
+
+
+# -- framing (pure) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: int
+    name: str
+    metadata: bytes
+
+
+def encode_frame(kind: int, name: str, metadata: bytes,
+                 max_metadata_bytes: int = MAX_METADATA_BYTES) -> bytes:
+    """One wire frame. Oversized input is our bug (LocalProtocolError), not the peer's."""
+    raw = name.encode("utf-8")
+    if kind not in _KINDS or not raw or len(raw) > MAX_NAME_BYTES:
+        raise LocalProtocolError(f"side channel frame: kind {kind}, name {name!r}")
+    if len(metadata) > max_metadata_bytes:
+        raise LocalProtocolError(f"side channel frame: {len(metadata)} bytes of metadata "
+                                 f"(cap {max_metadata_bytes})")
+    return HEADER.pack(MAGIC, VERSION, kind, len(raw), len(metadata)) + raw + bytes(metadata)
+
+
+def _bad(reason: str, detail: str) -> RemoteProtocolError:
+    # args[0] is the counter key (no extra exception type: core.errors owns those).
+    return RemoteProtocolError(reason, detail)
+
+
+def drop_reason(exc: RemoteProtocolError) -> str:
+    return str(exc.args[0]) if exc.args else "malformed"
+
+
+class FrameReader:
+    """Incremental decoder of one frame: ``feed`` bytes until it returns the Frame.
+    Raises RemoteProtocolError (``drop_reason`` gives the counter key) as soon as the
+    header is wrong, so an oversized frame is refused before its body is buffered."""
+
+    def __init__(self, max_metadata_bytes: int = MAX_METADATA_BYTES) -> None:
+        self._max = max_metadata_bytes
+        self._buf = bytearray()
+        self._lens: tuple[int, int, int] | None = None  # kind, name_len, md_len
+
+    @property
+    def wanted(self) -> int:
+        """Bytes still missing (from the header's lengths once it is in)."""
+        if self._lens is None:
+            return HEADER.size - len(self._buf)
+        return HEADER.size + self._lens[1] + self._lens[2] - len(self._buf)
+
+    def feed(self, data: bytes) -> Frame | None:
+        self._buf += data
+        if self._lens is None and len(self._buf) >= HEADER.size:
+            magic, version, kind, name_len, md_len = HEADER.unpack_from(self._buf)
+            if magic != MAGIC:
+                raise _bad("bad_magic", f"magic {bytes(magic)!r}")
+            if version != VERSION:
+                raise _bad("bad_version", f"version {version} (we speak {VERSION})")
+            if kind not in _KINDS:
+                raise _bad("bad_kind", f"kind {kind}")
+            if md_len > self._max or name_len > MAX_NAME_BYTES:
+                raise _bad("oversized", f"name {name_len} B, metadata {md_len} B "
+                                        f"(cap {self._max})")
+            if name_len == 0:
+                raise _bad("malformed", "empty agent name")
+            self._lens = (kind, name_len, md_len)
+        if self._lens is None or self.wanted > 0:
+            return None
+        if self.wanted < 0:
+            raise _bad("malformed", f"{-self.wanted} bytes past the end of the frame")
+        kind, name_len, md_len = self._lens
+        body = bytes(self._buf[HEADER.size:])
+        try:
+            name = body[:name_len].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _bad("malformed", f"agent name is not UTF-8: {exc}") from None
+        return Frame(kind, name, body[name_len:])
+
+
+# -- what the owner drains ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """Metadata of ``peer``: it dialed us ("dialed_us"), or answered our dial ("reply")."""
+
+    peer: str
+    metadata: bytes
+    via: Literal["dialed_us", "reply"]
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    deadline_s: float
+    reader: FrameReader
+    out: memoryview | None = None  # the reply, once the request is in
+
+
+class SideChannel:
+    """Server + client of the metadata exchange for one agent.
+
+    Threads: one server thread (blocks in select, woken by a socketpair to stop) and
+    one client worker (a 1-thread pool, idle threads block on its queue): an idle side
+    channel burns no CPU. Both only touch sockets, the inbox and the counters.
+    """
+
+    def __init__(self, agent_name: str, host: str = "127.0.0.1", port: int = 0, *,
+                 connect_timeout_s: float = 1.0, io_timeout_s: float = 1.0,
+                 max_metadata_bytes: int = MAX_METADATA_BYTES, max_conns: int = 32) -> None:
+        self.name = agent_name
+        self._connect_timeout_s = connect_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._max = max_metadata_bytes
+        self._max_conns = max_conns
+        # Swapped whole by the owner (one attribute store: atomic under the GIL); the
+        # server thread reads it once per reply, so a reply is never half old, half new.
+        self._local_md = b""
+        self._inbox: queue.SimpleQueue[PeerMetadata] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # counters, pending dials, last errors
+        self._counters: dict[str, int] = {}
+        self._pending: set[tuple[str, str, int]] = set()
+        self._last_error: dict[str, str] = {}
+        self._closed = False
+        try:
+            # Bound to the configured host only, never 0.0.0.0 (NIXL's listener's flaw).
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._lsock = socket.create_server((host, port), family=family, backlog=64)
+        except OSError as exc:
+            raise TransportError(f"side channel: cannot listen on {host}:{port}: {exc}") from exc
+        self._lsock.setblocking(False)
+        self.address: tuple[str, int] = (host, int(self._lsock.getsockname()[1]))
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._conns: dict[socket.socket, _Conn] = {}
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._server = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"pushkv-sidechannel-{agent_name}")
+        self._server.start()
+        self._pool = ThreadPoolExecutor(max_workers=1,
+                                        thread_name_prefix=f"pushkv-dial-{agent_name}")
+
+    # -- owner API ------------------------------------------------------------------
+
+    def set_local_metadata(self, metadata: bytes) -> None:
+        """What we send when dialing and answer when dialed (call after every change)."""
+        if len(metadata) > self._max:
+            raise LocalProtocolError(f"local metadata is {len(metadata)} B (cap {self._max})")
+        self._local_md = bytes(metadata)
+
+    def request(self, peer: str, host: str, port: int) -> None:
+        """Exchange metadata with ``peer`` in the background (fire-and-forget). A dial to
+        the same peer and address already queued or in flight absorbs this one, so a
+        fast retry loop cannot pile up work behind a slow peer."""
+        key = (peer, host, int(port))
+        with self._lock:
+            if self._closed or key in self._pending:
+                return
+            self._pending.add(key)
+        self._pool.submit(self._dial, key)
+
+    def drain(self) -> list[PeerMetadata]:
+        """Everything received since the last call, oldest first (owner thread)."""
+        out: list[PeerMetadata] = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def last_error(self, peer: str) -> str | None:
+        """Why the latest dial to ``peer`` failed (for PeerUnreachable messages)."""
+        with self._lock:
+            if peer in self._last_error:
+                return self._last_error[peer]
+            if any(key[0] == peer for key in self._pending):
+                return "a dial is in flight, no answer yet"
+            return None
+
+    @property
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        """Stop both threads and join them (a dial in flight ends within its timeouts);
+        what they received and nobody drained yet is dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the server is gone already; join below returns at once
+        self._server.join(5.0)
+        if self._server.is_alive():
+            logger.warning("Side channel server of %s did not stop within 5 s", self.name)
+            return  # leave its sockets to it rather than close them under its feet
+        for sock in (*self._conns, self._lsock, self._wake_r, self._wake_w):
+            sock.close()
+        self._conns.clear()
+        self._sel.close()
+        self.drain()
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0) + 1  # written by both threads
+
+    # -- client worker --------------------------------------------------------------
+
+    def _dial(self, key: tuple[str, str, int]) -> None:
+        peer, host, port = key
+        try:
+            reply = self._exchange(host, port)
+            if reply.kind != KIND_REPLY:
+                raise _bad("bad_kind", f"expected a reply, got kind {reply.kind}")
+            if reply.name != peer:  # someone else listens there (a port reused)
+                raise _bad("wrong_peer", f"answered as {reply.name!r}")
+            self._inbox.put(PeerMetadata(peer, reply.metadata, "reply"))
+            self._count("dials_ok")
+            with self._lock:
+                self._last_error.pop(peer, None)
+        except (OSError, RemoteProtocolError) as exc:
+            if isinstance(exc, RemoteProtocolError):
+                reason, text = drop_reason(exc), f"{drop_reason(exc)}: {exc.args[-1]}"
+            else:
+                reason, text = "unreachable", f"{type(exc).__name__}: {exc}"
+            self._count(f"dials_failed_{reason}")
+            with self._lock:
+                self._last_error[peer] = f"{host}:{port}: {text}"
+        except Exception:  # a bug of ours: log it, the worker must keep serving
+            logger.exception("Side channel dial to %s at %s:%d failed", peer, host, port)
+            self._count("dials_failed_internal")
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+
+    def _exchange(self, host: str, port: int) -> Frame:
+        request = encode_frame(KIND_EXCHANGE, self.name, self._local_md, self._max)
+        deadline = time.monotonic() + self._connect_timeout_s + self._io_timeout_s
+        with socket.create_connection((host, port), timeout=self._connect_timeout_s) as s:
+            s.settimeout(self._io_timeout_s)
+            s.sendall(request)
+            reader = FrameReader(self._max)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("timed out: no full reply by the exchange deadline")
+                s.settimeout(min(self._io_timeout_s, left))
+                chunk = s.recv(min(max(reader.wanted, 1), 1 << 20))
+                if not chunk:
+                    raise _bad("truncated", f"closed with {reader.wanted} bytes missing")
+                frame = reader.feed(chunk)
+                if frame is not None:
+                    return frame
+
+    # -- server thread --------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            # Block until something happens; wake only for the nearest stalled-client
+            # deadline (no periodic tick: an idle server costs nothing).
+            timeout = None
+            if self._conns:
+                timeout = max(0.0, min(c.deadline_s for c in self._conns.values())
+                              - time.monotonic())
+            for key, mask in self._sel.select(timeout):
+                sock = key.fileobj
+                if sock is self._wake_r:
+                    return
+                if sock is self._lsock:
+                    self._accept()
+                    continue
+                conn = self._conns[sock]  # type: ignore[index]
+                try:
+                    (self._on_readable if mask & selectors.EVENT_READ else self._on_writable)(conn)
+                except Exception:  # a bug of ours: lose this request, never the server
+                    logger.exception("Side channel of %s failed on a request", self.name)
+                    if conn.sock in self._conns:
+                        self._drop(conn, "internal")
+            now = time.monotonic()
+            for conn in [c for c in self._conns.values() if c.deadline_s <= now]:
+                self._drop(conn, "stalled")
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # e.g. EMFILE: keep serving, the client retries
+            logger.warning("Side channel of %s: accept failed: %s", self.name, exc)
+            self._count("accept_failed")
+            return
+        if len(self._conns) >= self._max_conns:
+            sock.close()
+            self._count("dropped_busy")
+            return
+        sock.setblocking(False)
+        # A whole exchange must finish in this time: a stalled client cannot hold a slot.
+        deadline = time.monotonic() + self._connect_timeout_s + self._io_timeout_s
+        self._conns[sock] = _Conn(sock, deadline, FrameReader(self._max))
+        self._sel.register(sock, selectors.EVENT_READ)
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(min(max(conn.reader.wanted, 1), 1 << 20))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn, "reset")
+            return
+        if not chunk:
+            self._drop(conn, "truncated")
+            return
+        try:
+            frame = conn.reader.feed(chunk)
+        except RemoteProtocolError as exc:
+            logger.info("Side channel of %s dropped a request: %s", self.name, exc.args[-1])
+            self._drop(conn, drop_reason(exc))
+            return
+        if frame is None:
+            return
+        if frame.kind != KIND_EXCHANGE:
+            self._drop(conn, "bad_kind")
+            return
+        self._inbox.put(PeerMetadata(frame.name, frame.metadata, "dialed_us"))
+        self._count("served")
+        conn.out = memoryview(encode_frame(KIND_REPLY, self.name, self._local_md, self._max))
+        self._sel.modify(conn.sock, selectors.EVENT_WRITE)
+        self._on_writable(conn)
+
+    def _on_writable(self, conn: _Conn) -> None:
+        assert conn.out is not None
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn, "reset")
+            return
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            self._close_conn(conn)
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        self._count(f"dropped_{reason}")
+        self._close_conn(conn)
+
+    def _close_conn(self, conn: _Conn) -> None:
+        self._sel.unregister(conn.sock)
+        del self._conns[conn.sock]
+        conn.sock.close()
