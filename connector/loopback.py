@@ -167,7 +167,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
 class RankProcess:
     """Parent-side handle of one rank's process."""
 
-    def __init__(self, spec: RankSpec, start_timeout_s: float = 30.0) -> None:
+    def __init__(self, spec: RankSpec, start_timeout_s: float = 120.0) -> None:
         ctx = get_context("spawn")
         self.spec = spec
         self._conn, child = ctx.Pipe()

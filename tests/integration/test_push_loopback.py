@@ -8,7 +8,6 @@ written here (independent of the layout planner); every byte outside it must sta
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -17,16 +16,11 @@ import pytest
 from connector.core import events as ev
 from connector.core.state import ReceiverPolicy, SenderPolicy
 from connector.loopback import RankProcess, RankSpec, expected_event
+from connector.stack import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
 MS = 1_000_000
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -34,7 +28,7 @@ def cluster() -> Iterator[Callable[..., RankProcess]]:
     started: list[RankProcess] = []
 
     def start(role: str, engine: str, rank: int = 0, tp: int = 1, **kw: object) -> RankProcess:
-        proc = RankProcess(RankSpec(role, engine, rank, tp, _free_port(), **kw))  # type: ignore[arg-type]
+        proc = RankProcess(RankSpec(role, engine, rank, tp, free_port(), **kw))  # type: ignore[arg-type]
         started.append(proc)
         return proc
 
