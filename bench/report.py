@@ -21,6 +21,7 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("p90_ttft_ms", "p90 TTFT ms"),
     ("mean_tpot_ms", "mean TPOT ms"),
     ("median_itl_ms", "median ITL ms"),
+    ("median_e2el_ms", "median E2EL ms"),  # robust to streamed chunks of several tokens
     ("request_throughput", "req/s"),
 )
 LATENCY_KEYS = frozenset(k for k, _ in METRICS if k.endswith("_ms"))

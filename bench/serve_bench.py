@@ -256,6 +256,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
                    help="wait until no other vLLM server runs (default: on, off with --quick)")
     p.add_argument("--wait-timeout-s", type=float, default=2400.0)
+    p.add_argument("--rerender", type=Path, default=None, metavar="RUN_DIR",
+                   help="start nothing: re-read RUN_DIR's saved vllm bench serve JSON files "
+                        "and rewrite its report.md and results.json")
     return p.parse_args(list(argv))
 
 
@@ -275,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that every finally block runs (Python's default SIGTERM action skips them).
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.rerender is not None:
+        return rerender(args.rerender.resolve())
     workload = _workload(args)
     names = args.configs or list(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -315,15 +320,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_json(run_dir, meta, results, time.monotonic() - t_start)
     duration = time.monotonic() - t_start
     _write_json(run_dir, meta, results, duration)
-    preamble = (f"# Push vs pull: `vllm bench serve` through the router\n\n"
-                f"Run {stamp} on {meta['host']} ({meta['cpus']} CPUs), commit "
-                f"{meta['git_commit']}; random {workload.input_len} in / "
-                f"{workload.output_len} out, levels (concurrency, prompts) "
-                f"{list(workload.levels)}; took {duration / 60:.1f} min.\n")
-    (run_dir / "report.md").write_text(markdown_report(results, preamble))
+    _write_report(run_dir, meta, results, duration)
     print_rich(results)
     log(f"total {duration:.0f} s; report {run_dir / 'report.md'}; data {run_dir / 'results.json'}")
     log_file.close()
+    return 0 if all(r.ok for r in results) else 1
+
+
+def rerender(run_dir: Path) -> int:
+    """Rebuild ``run_dir``'s report from what it saved (e.g. after a metric column was added):
+    every result's metrics are re-read from its own ``vllm bench serve`` JSON file."""
+    data = json.loads((run_dir / "results.json").read_text())
+    meta = {k: v for k, v in data.items()
+            if k not in ("results", "ratios", "target", "duration_s")}
+    results = []
+    for raw in data["results"]:
+        r = LevelResult(**raw)
+        if r.ok and r.result_file:
+            fresh = LevelResult.from_bench_json(r.config, r.concurrency, r.num_prompts,
+                                                json.loads((run_dir / r.result_file).read_text()),
+                                                r.result_file)
+            r.metrics = fresh.metrics
+        results.append(r)
+    _write_json(run_dir, meta, results, data["duration_s"])
+    _write_report(run_dir, meta, results, data["duration_s"])
+    print_rich(results)
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -333,6 +354,17 @@ def _write_json(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResu
             "results": [r.to_json() for r in results],
             "ratios": ratios(results), "target": target_verdicts(results)}
     (run_dir / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
+                  duration_s: float) -> None:
+    w = meta["workload"]
+    preamble = (f"# Push vs pull: `vllm bench serve` through the router\n\n"
+                f"Run {run_dir.name} on {meta['host']} ({meta['cpus']} CPUs), commit "
+                f"{meta['git_commit']}; random {w['input_len']} in / {w['output_len']} out, "
+                f"levels (concurrency, prompts) {[tuple(x) for x in w['levels']]}; "
+                f"took {duration_s / 60:.1f} min. Command: `{' '.join(meta['argv'])}`.\n")
+    (run_dir / "report.md").write_text(markdown_report(results, preamble))
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ What is patched, exactly
    nothing, not even its own queued send_notif" (shared/reference/nixl.md, section 3), and
    over ``tcp`` a WRITE or READ needs the *target* to progress as well. vLLM's engines stop
    calling NIXL when they have nothing to schedule (P after its prefill, for one), so with
-   change 1 alone transfers stall (measured: ``vllm bench serve`` hung in the warm-up for
-   both connectors). ``ProgressedAgent`` therefore runs one daemon thread per agent that
+   change 1 alone transfers can stall (``vllm bench serve`` hung in the warm-up for both
+   connectors; that run still had vLLM's CPU pin of change 3, so it does not separate the
+   two causes). ``ProgressedAgent`` therefore runs one daemon thread per agent that
    calls ``getNotifs`` (the call that drives UCX progress) every ``PROGRESS_INTERVAL_S`` and
    *sleeps* in between, which is what makes it cheap where NIXL's thread spins (two idle
    agents: about 5 % of one core together). Notifications it collects are kept and handed
