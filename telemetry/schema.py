@@ -7,6 +7,30 @@ One trace per request: the router's ``request`` span is the root; P's and D's sp
 through the W3C ``traceparent`` the router puts in both legs (headers and
 ``kv_transfer_params``). Spans are per request or per transfer, never per layer or block:
 counts go into attributes.
+
+The tree of one push request (process that emits it in brackets; every P span is per P TP
+rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
+
+    request [router] (SERVER; event first_chunk = client-observed TTFT end)
+      route [router]                     request in -> both legs about to be sent
+      prefill_leg [router] (CLIENT)      P leg sent -> P's response read
+        prefill [P]                      engine arrival -> prompt KV complete on this rank
+                                         (event scheduled: first scheduled by P's engine)
+        rendezvous_wait [P]              first of (registration, prefill done) -> second
+                                         (events registration, prefill_done; attr first)
+        prepare_descriptors [P]          block ids -> NIXL descriptors (blocks/regions/descs)
+        write [P]                        WRITE posted -> DONE (bytes, descriptors, GB/s, peer)
+      decode_leg [router] (CLIENT)       D leg sent -> D's stream fully relayed
+        first_byte [router]              D leg sent -> first byte of D's answer
+        register [D]                     blocks allocated -> registration sent
+        await_kv [D]                     registration sent -> last completion counted (p_ranks)
+        first_token [D]                  KV complete -> first token out of D's engine
+                                         (event scheduled: D scheduled its first step)
+
+Spans observed by polling carry the timestamps where they were observed, set explicitly.
+A span that ends in failure (fail, cancel, lease expiry, deadline) has an error status and
+``pushkv.reason``; ``pushkv.outcome`` is "ok" otherwise. In ``pull`` / ``vllm-push`` router
+modes only the router's spans exist (vLLM's connectors emit none of ours).
 """
 
 from __future__ import annotations
@@ -37,6 +61,15 @@ class Span(str, Enum):
     WRITE = "pushkv.write"  # WRITE posted -> DONE
 
 
+class Event(str, Enum):
+    """Span events: instants inside a span, with their own timestamp."""
+
+    SCHEDULED = "pushkv.scheduled"  # on P `prefill`: first scheduled; on D `first_token`: scheduled
+    FIRST_CHUNK = "pushkv.first_chunk"  # on router `request`: first token sent to the client
+    REGISTRATION = "pushkv.registration"  # on P `rendezvous_wait`: D's registration arrived
+    PREFILL_DONE = "pushkv.prefill_done"  # on P `rendezvous_wait`: prompt KV complete
+
+
 class Attr(str, Enum):
     """Attribute keys: pushkv's own namespace; GenAI conventions where they fit."""
 
@@ -58,7 +91,14 @@ class Attr(str, Enum):
     GBPS = "pushkv.gbps"
     PROMPT_TOKENS = "pushkv.prompt_tokens"
     FIRST_TOKEN_INDEX = "pushkv.first_token"  # tokens D already held (prefix hit)
-    OUTCOME = "pushkv.outcome"  # "ok" | a FailReason value
+    OUTCOME = "pushkv.outcome"  # "ok" | a FailReason value | "cancelled" | "error"
+    STREAM = "pushkv.stream"  # client asked for a stream
+    ENDPOINT = "pushkv.endpoint"  # "completions" | "chat"
+    TTFT_MS = "pushkv.ttft_ms"  # router-observed: request in -> first token sent
+    TPOT_MS = "pushkv.tpot_ms"  # router-observed: mean gap between later tokens
+    PENDING = "pushkv.route.outstanding"  # outstanding requests on the chosen D
+    LOCAL_TOKENS = "pushkv.local_tokens"  # prompt tokens D computed itself (prefix hit)
+    HTTP_STATUS = "http.response.status_code"
     REASON = "pushkv.reason"  # why a span ended in error
     # GenAI semantic conventions
     REQUEST_MODEL = "gen_ai.request.model"
@@ -66,6 +106,14 @@ class Attr(str, Enum):
     INPUT_TOKENS = "gen_ai.usage.input_tokens"
     OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     ERROR_TYPE = "error.type"
+
+
+class Service(str, Enum):
+    """Default ``service.name`` per role (``OTEL_SERVICE_NAME`` overrides)."""
+
+    ROUTER = "pushkv-router"
+    PREFILL = "pushkv-prefill"
+    DECODE = "pushkv-decode"
 
 
 class Resource(str, Enum):
