@@ -22,6 +22,8 @@ class StagedPrefill:
     block_ids: BlockTable
     num_tokens: int
     leg: PrefillLeg
+    arrival_ns: int = 0  # engine timestamps, wall clock: the prefill span
+    scheduled_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class StagedRegistration:
     first_token: int
     num_tokens: int
     leg: DecodeLeg
+    alloc_ns: int = 0  # wall clock: the register span starts here
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ Must not import vLLM, NIXL or torch (see ``connector.stack``). Needs only httpx.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class RouterProcess:
     log_path: Path | None = None
     host: str = "127.0.0.1"
     python: str = sys.executable
+    env: Mapping[str, str] = field(default_factory=dict)  # added to this environment
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -130,7 +132,7 @@ class RouterProcess:
             log = self._log_file
         self._proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env})
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         if self._proc is None:
@@ -185,6 +187,9 @@ class PdStack:
     router_args: Sequence[str] = ()
     prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine
     decode_cpus: str = "1"
+    # Every process writes its spans to run_dir/traces-<service>-<pid>.jsonl (or where the
+    # caller's OTEL_* variables say); False sets OTEL_SDK_DISABLED for all three.
+    tracing: bool = True
     prefill: VllmServer = field(init=False)
     decode: VllmServer = field(init=False)
     router: RouterProcess = field(init=False)
@@ -211,7 +216,8 @@ class PdStack:
                            "--prefill-tp-size", "1", *router_args]
         self.router = RouterProcess(self.prefill.url, self.decode.url, r_port,
                                     mode=spec.router_mode, extra_args=router_args,
-                                    log_path=self.run_dir / "router.log")
+                                    log_path=self.run_dir / "router.log",
+                                    env=self._trace_env())
         self._stack = Stack([self.prefill, self.decode, self.router])
 
     def _server(self, name: str, port: int, role: str, engine_id: str,
@@ -224,13 +230,18 @@ class PdStack:
             ktc["kv_connector_module_path"] = spec.module_path
         if role == "kv_consumer":
             ktc["kv_load_failure_policy"] = self.kv_load_failure_policy
-        env = {"VLLM_CPU_OMP_THREADS_BIND": cpus}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
         if spec.nixl_side_channel_env:
             env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port)}
         return VllmServer(self.model, port, kv_transfer_config=ktc, env=env,
                           extra_args=list(self.server_args),
                           log_path=self.run_dir / f"{name}.log")
+
+    def _trace_env(self) -> dict[str, str]:
+        if not self.tracing:
+            return {"OTEL_SDK_DISABLED": "true"}
+        return {"PUSHKV_RUN_DIR": str(self.run_dir.resolve())}
 
     # --- lifecycle ---------------------------------------------------------------------
 

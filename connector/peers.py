@@ -47,8 +47,10 @@ class Peers:
             self._t.request_peer(addr.agent, addr.host, addr.port)
         dial.waiting.append((ready, fail))
 
-    def send(self, addr: PeerAddr, frame: bytes, now_ns: int, fail: OnFail) -> None:
-        """Send a notification, dialing first if needed; ``fail`` gets any transport error."""
+    def send(self, addr: PeerAddr, frame: bytes, now_ns: int, fail: OnFail,
+             sent: OnReady | None = None) -> None:
+        """Send a notification, dialing first if needed; ``fail`` gets any transport error,
+        ``sent`` is called once the transport took it."""
 
         def go() -> None:
             try:
@@ -56,6 +58,9 @@ class Peers:
             except TransportError as exc:
                 self.lost(addr.agent, exc)
                 fail(exc)
+                return
+            if sent is not None:
+                sent()
 
         self.when_ready(addr, now_ns, go, fail)
 

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from connector.core import events as ev
 from connector.core import messages as m
@@ -20,6 +21,7 @@ from connector.core.layout import KVLayout
 from connector.core.receiver import ReceiverTable
 from connector.core.state import ReceiverPolicy
 from connector.peers import Peers
+from connector.spans import NO_SPANS, RegisterNote
 from connector.topology import RankInfo
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,10 @@ class Receiver:
 
     def __init__(self, me: RankInfo, layout: KVLayout, peers: Peers,
                  policy: ReceiverPolicy = ReceiverPolicy(),
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock: Callable[[], int] = time.monotonic_ns, spans: Any = NO_SPANS) -> None:
         layout.validate()
         self._clock = clock
+        self.spans = spans  # connector.spans.TransferSpans, or NO_SPANS
         self.me, self.layout, self.peers, self.policy = me, layout, peers, policy
         self.table = ReceiverTable(policy)
         self._expected: dict[str, ev.Expected] = {}
@@ -51,7 +54,8 @@ class Receiver:
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ inputs
-    def on_event(self, event: ev.ReceiverEvent | ev.NotNeeded, now_ns: int, ready: object = None) -> None:
+    def on_event(self, event: ev.ReceiverEvent | ev.NotNeeded, now_ns: int, ready: object = None,
+                 note: RegisterNote | None = None) -> None:
         if isinstance(event, ev.NotNeeded):
             frame = m.encode(m.Cancel(transfer_id=event.transfer_id, d_rank=self.me.rank,
                                       d_addr=self.me.addr, reason=m.FailReason.NOT_NEEDED))
@@ -60,6 +64,7 @@ class Receiver:
             return
         if isinstance(event, ev.Expected):
             self._expected[event.transfer_id] = event
+            self.spans.expected(event, note)
         self._run(self.table.handle(event, now_ns), now_ns)
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
@@ -110,7 +115,9 @@ class Receiver:
                 elif not a.ok:
                     logger.warning("Transfer %s failed: %s", a.transfer_id,
                                    a.reason.value if a.reason else "unknown")
-                self.finished.append(Received(a.transfer_id, a.request_id, a.ok, a.reason, time.time_ns()))
+                at = time.time_ns()
+                self.finished.append(Received(a.transfer_id, a.request_id, a.ok, a.reason, at))
+                self.spans.received(a.transfer_id, a.ok, a.reason, at)
             else:
                 raise TypeError(f"unknown receiver action {a!r}")
 
@@ -121,7 +128,8 @@ class Receiver:
             d_tp_size=self.me.tp_size, d_addr=self.me.addr, layout=self.layout,
             block_ids=exp.block_ids, first_token=exp.first_token, num_tokens=exp.num_tokens,
             ttl_ms=max(1, self.policy.timeout_ns // 1_000_000), trace=exp.trace))
-        self.peers.send(a.source.addr, frame, now_ns, self._on_send_error(a.transfer_id, a.source))
+        self.peers.send(a.source.addr, frame, now_ns, self._on_send_error(a.transfer_id, a.source),
+                        sent=lambda: self.spans.register_sent(a.transfer_id))
 
     def _on_send_error(self, tid: str, src: ev.Source):
         def fail(exc: TransportError) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
+from connector.spans import emit_first_token, engine_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,12 @@ class _Req:
     prefill: PrefillLeg | None = None
     decode: DecodeLeg | None = None
     error: str = ""
+    # Wall-clock times for spans: P first scheduled; D KV complete (as seen here), first
+    # step scheduled; D tokens it held itself.
+    scheduled_ns: int = 0
+    kv_ns: int = 0
+    first_step_ns: int = 0
+    local_tokens: int = 0
 
 
 class SchedulerSide:
@@ -68,6 +76,9 @@ class SchedulerSide:
         self._step = StepPlan()
         self._handshakes: dict[int, Handshake] = {}
         self._kv_cache_manager: Any = None
+        # D: requests whose KV arrived and whose first token is not out yet (first_token span).
+        self._first: dict[str, _Req] = {}
+        self._tracer = engine_tracer(engine_id, producer=False) if is_consumer else None
 
     # ------------------------------------------------------------------ set-up
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -115,6 +126,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rec = self._reqs.get(request.request_id)
+        if rec is not None and rec.prefill is not None and not rec.scheduled_ns:
+            rec.scheduled_ns = time.time_ns()  # P: first scheduled (ends P's queue time)
         if rec is None or rec.decode is None or rec.state is not ReqState.AWAITING_ALLOC:
             return
         leg = rec.decode
@@ -127,8 +140,9 @@ class SchedulerSide:
         self._step.registrations.append(StagedRegistration(
             leg.transfer_id, request.request_id, block_ids,
             first_token=request.num_prompt_tokens - num_external_tokens,
-            num_tokens=request.num_prompt_tokens, leg=leg))
+            num_tokens=request.num_prompt_tokens, leg=leg, alloc_ns=time.time_ns()))
         rec.state = ReqState.RECEIVING
+        rec.local_tokens = request.num_prompt_tokens - num_external_tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """Called before vLLM advances num_computed_tokens for this step."""
@@ -140,6 +154,8 @@ class SchedulerSide:
                     self._step.reclaimed.append(rec.prefill.transfer_id)
                 rec.state = ReqState.SPENT
         scheduled = scheduler_output.num_scheduled_tokens
+        if self._first:
+            self._watch_first_tokens(scheduled)
         for rid, rec in self._reqs.items():
             if rec.state is not ReqState.PREFILLING or rid not in scheduled:
                 continue
@@ -147,9 +163,12 @@ class SchedulerSide:
             if request.num_computed_tokens + scheduled[rid] >= request.num_prompt_tokens:
                 assert rec.prefill is not None
                 blocks = self._kv_cache_manager.get_block_ids(rid)
+                now = time.time_ns()
                 self._step.prefills.append(StagedPrefill(
                     rec.prefill.transfer_id, rid, tuple(tuple(g) for g in blocks),
-                    request.num_prompt_tokens, rec.prefill))
+                    request.num_prompt_tokens, rec.prefill,
+                    arrival_ns=_wall_ns(getattr(request, "arrival_time", None)) or now,
+                    scheduled_ns=rec.scheduled_ns or now))
                 rec.state = ReqState.PUSHING
         step, self._step = self._step, StepPlan()
         return step
@@ -158,6 +177,8 @@ class SchedulerSide:
         rid = request.request_id
         if is_probe(request.kv_transfer_params):
             return False, {"pushkv": self.coordinates()}
+        if rid in self._first:
+            self._first_token_out(rid, time.time_ns())
         rec = self._reqs.get(rid)
         if rec is None:
             return False, None
@@ -186,6 +207,8 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ results
     def update_connector_output(self, output: Any) -> None:
+        if self._first:
+            self._watch_first_tokens({})
         sending = output.finished_sending or set()
         for rid in list(sending):
             rec = self._reqs.get(rid)
@@ -207,7 +230,36 @@ class SchedulerSide:
                 del self._reqs[rid]
             elif rec.state is ReqState.RECEIVING:
                 rec.state = ReqState.DONE
+                if self._tracer is not None:
+                    rec.kv_ns = time.time_ns()
+                    self._first[rid] = rec
+
+    # ------------------------------------------------------------------ D's first token
+    def _watch_first_tokens(self, scheduled: Any) -> None:
+        """Polled each step: vLLM tells the connector neither when a request with its KV in
+        is scheduled nor when its first token is out, so both are observed here (the
+        scheduler appends a step's tokens before it calls update_connector_output)."""
+        now = time.time_ns()
+        for rid, rec in list(self._first.items()):
+            if rec.request.num_output_tokens > 0:
+                self._first_token_out(rid, now)
+            elif not rec.first_step_ns and rid in scheduled:
+                rec.first_step_ns = now
+
+    def _first_token_out(self, rid: str, now: int) -> None:
+        rec = self._first.pop(rid)
+        assert rec.decode is not None
+        emit_first_token(self._tracer, rec.decode.trace(), transfer_id=rec.decode.transfer_id,
+                         request_id=rid, engine_id=self.engine_id, kv_ns=rec.kv_ns,
+                         scheduled_ns=rec.first_step_ns, out_ns=now,
+                         local_tokens=rec.local_tokens,
+                         error=None if rec.request.num_output_tokens > 0 else "no_token")
 
     def has_pending_push_work(self) -> bool:
         return not self._step.empty() or any(
             r.state in (ReqState.PUSHING, ReqState.HANDED_OVER) for r in self._reqs.values())
+
+
+def _wall_ns(seconds: float | None) -> int:
+    """vLLM's ``Request.arrival_time`` (time.time() seconds) as nanoseconds; 0 if unknown."""
+    return int(seconds * 1e9) if seconds else 0

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from connector.core import events as ev
 from connector.core import messages as m
@@ -20,6 +21,7 @@ from connector.core.layout import KVLayout, plan_transfer
 from connector.core.rendezvous import SenderTable
 from connector.core.state import SenderPolicy
 from connector.peers import Peers
+from connector.spans import NO_SPANS, PrefillNote
 from connector.topology import RankInfo, Topology
 from connector.transport.base import Transport, WriteHandle
 
@@ -43,6 +45,7 @@ class WriteReport:
     bytes_total: int = 0
     descriptors: int = 0
     blocks: int = 0
+    regions: int = 0  # KV regions (layer x part) of the layout the transfer spans
     targets: tuple[str, ...] = ()
 
 
@@ -61,25 +64,31 @@ class Sender:
 
     def __init__(self, transport: Transport, me: RankInfo, layout: KVLayout, topology: Topology,
                  peers: Peers, policy: SenderPolicy = SenderPolicy(),
-                 on_write_finished: Callable[[WriteReport], None] | None = None) -> None:
+                 on_write_finished: Callable[[WriteReport], None] | None = None,
+                 spans: Any = NO_SPANS) -> None:
         layout.validate()
         self._t, self.me, self.layout, self.topology, self.peers = transport, me, layout, topology, peers
         self.table = SenderTable(lambda d_tp: topology.targets(me.rank, d_tp), policy)
         self._writes: dict[str, _Write] = {}
         self._ready: dict[str, ReadyCheck] = {}  # transfer id -> "is the KV computed?"
+        self._ready_seen: set[str] = set()  # ... and it said yes
         self._deferred: dict[str, ev.IssueWrite] = {}
         self._on_write_finished = on_write_finished
+        self.spans = spans  # connector.spans.TransferSpans, or NO_SPANS
         self.finished: list[str] = []  # request ids whose blocks go back (finished_sending)
         self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ inputs
-    def on_event(self, event: ev.SenderEvent, now_ns: int, ready: ReadyCheck | None = None) -> None:
+    def on_event(self, event: ev.SenderEvent, now_ns: int, ready: ReadyCheck | None = None,
+                 note: PrefillNote | None = None) -> None:
         if isinstance(event, ev.SourceReclaimed) and event.transfer_id in self._deferred:
             # Not posted yet (the compute step had not finished): it never will be.
             self._deferred.pop(event.transfer_id)
             event = ev.WriteFailed(event.transfer_id, m.FailReason.PREFILL_ABORTED, "preempted")
-        if ready is not None and isinstance(event, ev.PrefillDone):
-            self._ready[event.transfer_id] = ready
+        if isinstance(event, ev.PrefillDone):
+            if ready is not None:
+                self._ready[event.transfer_id] = ready
+            self.spans.prefill_submitted(event, note, deferred=ready is not None)
         self._run(self.table.handle(event, now_ns), now_ns)
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
@@ -91,6 +100,7 @@ class Sender:
         if isinstance(msg, m.Register):
             # Fetch D's metadata now, while P may still be computing: off the critical path.
             self.peers.when_ready(msg.d_addr, now_ns, _noop, _noop_fail)
+            self.spans.registration(msg.transfer_id, msg.trace, time.time_ns())
             self._run(self.table.handle(ev.Registered(msg), now_ns), now_ns)
         elif isinstance(msg, m.Cancel):
             self._run(self.table.handle(
@@ -102,6 +112,12 @@ class Sender:
             self.counters[f"unexpected_{type(msg).__name__}"] += 1
 
     def poll(self, now_ns: int) -> None:
+        for tid, check in self._ready.items():
+            # GPU: note when the step's event fires (the end of P's prefill span), even
+            # while no registration has come yet.
+            if tid not in self._ready_seen and check():
+                self._ready_seen.add(tid)
+                self.spans.prefill_ready(tid, time.time_ns())
         for tid in [t for t, check in self._ready.items() if t in self._deferred and check()]:
             self._post(self._deferred.pop(tid), now_ns)
         for tid in list(self._writes):
@@ -129,6 +145,9 @@ class Sender:
                     self._post(a, now_ns)
             elif isinstance(a, ev.FreeBlocks):
                 self._ready.pop(a.transfer_id, None)
+                self._ready_seen.discard(a.transfer_id)
+                rec = self.table.get(a.transfer_id)
+                self.spans.released(a.transfer_id, rec.reason if rec is not None else None)
                 self._deferred.pop(a.transfer_id, None)
                 self.finished.append(a.request_id)
             elif isinstance(a, ev.AbortWrite):
@@ -155,6 +174,7 @@ class Sender:
     def _post(self, a: ev.IssueWrite, now_ns: int) -> None:
         report = WriteReport(a.transfer_id, a.request_id, False, None, time.time_ns(),
                              blocks=sum(len(g) for g in a.block_ids),
+                             regions=len(self.layout.regions),
                              targets=tuple(r.d_addr.agent for r in a.registrations))
         plans = []
         try:
@@ -233,6 +253,7 @@ class Sender:
         w.report.ok, w.report.reason = w.failure is None, w.failure
         if self._on_write_finished is not None:
             self._on_write_finished(w.report)
+        self.spans.write_finished(w.report)
         event = ev.WriteDone(tid) if w.failure is None else ev.WriteFailed(tid, w.failure, w.detail)
         self._run(self.table.handle(event, now_ns), now_ns)
 

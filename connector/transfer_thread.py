@@ -68,7 +68,7 @@ class TransferThread:
         self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
         self._hot_min_s, self._hot_max_s, self._idle_s = hot_min_s, hot_max_s, idle_s
         self._clock = clock
-        self._inbox: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -83,10 +83,12 @@ class TransferThread:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, event: Any, ready: Callable[[], bool] | None = None) -> None:
+    def submit(self, event: Any, ready: Callable[[], bool] | None = None,
+               note: Any = None) -> None:
         """Hand an engine event (PrefillDone, PrefillAborted, Expected, AbortRequested) over.
-        ``ready``: for PrefillDone on GPU, says when the KV is computed (a CUDA event)."""
-        self._inbox.put((event, ready))
+        ``ready``: for PrefillDone on GPU, says when the KV is computed (a CUDA event).
+        ``note``: the engine's timestamps for the event's spans (``connector.spans``)."""
+        self._inbox.put((event, ready, note))
         self._wake.set()
 
     def reclaim(self, transfer_ids: list[str], timeout_s: float) -> bool:
@@ -94,7 +96,7 @@ class TransferThread:
         them (so the caller's next forward cannot overwrite what a WRITE still reads);
         False if that took longer than ``timeout_s``."""
         done = threading.Event()
-        self._inbox.put((_Reclaim(list(transfer_ids), done), None))
+        self._inbox.put((_Reclaim(list(transfer_ids), done), None, None))
         self._wake.set()
         return done.wait(timeout_s)
 
@@ -156,11 +158,11 @@ class TransferThread:
         active = False
         while True:
             try:
-                event, ready = self._inbox.get_nowait()
+                event, ready, note = self._inbox.get_nowait()
             except queue.Empty:
                 break
             active = True
-            self._dispatch_event(event, ready, now)
+            self._dispatch_event(event, ready, note, now)
         try:
             notifs = self._t.get_notifs()
         except TransportError as exc:
@@ -183,7 +185,8 @@ class TransferThread:
         self._publish()
         return active
 
-    def _dispatch_event(self, event: Any, ready: Callable[[], bool] | None, now: int) -> None:
+    def _dispatch_event(self, event: Any, ready: Callable[[], bool] | None, note: Any,
+                        now: int) -> None:
         if isinstance(event, _Reclaim):
             if self.sender is None:
                 event.done.set()
@@ -194,9 +197,9 @@ class TransferThread:
             return
         try:
             if isinstance(event, (ev.PrefillDone, ev.PrefillAborted)) and self.sender is not None:
-                self.sender.on_event(event, now, ready)
+                self.sender.on_event(event, now, ready, note)
             elif isinstance(event, (ev.Expected, ev.AbortRequested, ev.NotNeeded)) and self.receiver is not None:
-                self.receiver.on_event(event, now)
+                self.receiver.on_event(event, now, note=note)
             else:
                 raise TypeError(f"no endpoint takes {type(event).__name__}")
         except PushkvError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -27,6 +28,7 @@ from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.peers import Peers
 from connector.receiving import Receiver
 from connector.sending import Sender
+from connector.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans, engine_tracer
 from connector.topology import RankInfo, Topology
 from connector.transfer_thread import TransferThread
 
@@ -117,12 +119,13 @@ class WorkerSide:
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
         peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9))
         me = RankInfo(self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port))
+        spans = self._spans()
         sender = receiver = None
         if self.is_producer:
             sender = Sender(self._transport, me, layout, Topology(self.num_kv_heads, self.tp_size),
-                            peers, self.cfg.sender_policy())
+                            peers, self.cfg.sender_policy(), spans=spans)
         if self.is_consumer:
-            receiver = Receiver(me, layout, peers, self.cfg.receiver_policy())
+            receiver = Receiver(me, layout, peers, self.cfg.receiver_policy(), spans=spans)
         self.thread = TransferThread(self._transport, peers, sender=sender, receiver=receiver,
                                      name=f"pushkv-{name}", hot_max_s=self.cfg.poll_hot_max_s,
                                      idle_s=self.cfg.poll_idle_s)
@@ -130,6 +133,10 @@ class WorkerSide:
         self._handshake = Handshake(name, host, port)
         logger.info("pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",
                     name, len(layout.regions), layout.num_blocks, layout.block_size, host, port)
+
+    def _spans(self) -> Any:
+        tracer = engine_tracer(self.engine_id, producer=self.is_producer)
+        return NO_SPANS if tracer is None else TransferSpans(tracer, self.engine_id, self.tp_rank)
 
     def handshake(self) -> Handshake | None:
         return self._handshake
@@ -163,9 +170,10 @@ class WorkerSide:
         if thread is None:
             return
         for reg in plan.registrations:
+            trace = reg.leg.trace()
             thread.submit(ev.Expected(reg.transfer_id, reg.request_id, self._sources(reg.leg),
                                       self._blocks(reg.block_ids), reg.first_token, reg.num_tokens,
-                                      reg.leg.trace()))
+                                      trace), note=RegisterNote(trace, reg.alloc_ns))
         for ab in plan.aborts:
             thread.submit(self._abort_event(ab))
 
@@ -183,9 +191,11 @@ class WorkerSide:
         if plan is None or thread is None or not plan.prefills:
             return
         ready = _step_done_check()
+        done_ns = time.time_ns()
         for p in plan.prefills:
+            note = PrefillNote(p.leg.trace(), p.arrival_ns, p.scheduled_ns, done_ns, p.num_tokens)
             thread.submit(ev.PrefillDone(p.transfer_id, p.request_id, self._blocks(p.block_ids),
-                                         p.num_tokens), ready=ready)
+                                         p.num_tokens), ready=ready, note=note)
 
     def clear(self) -> None:
         self._plan = None

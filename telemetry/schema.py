@@ -85,8 +85,8 @@ class Attr(str, Enum):
     FIRST_ARRIVED = "pushkv.rendezvous.first"  # "registration" | "prefill"
     P_RANKS = "pushkv.p_ranks"  # completions D waits for
     BLOCKS = "pushkv.blocks"
-    REGIONS = "pushkv.regions"  # byte regions after merging
-    DESCRIPTORS = "pushkv.descriptors"
+    REGIONS = "pushkv.regions"  # KV regions (layer x part) the transfer spans
+    DESCRIPTORS = "pushkv.descriptors"  # NIXL descriptors, after merging contiguous runs
     BYTES = "pushkv.bytes"
     GBPS = "pushkv.gbps"
     PROMPT_TOKENS = "pushkv.prompt_tokens"

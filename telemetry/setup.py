@@ -21,6 +21,8 @@ from typing import Any
 
 from telemetry.schema import Resource as R
 
+_PROCESS: dict[int, Any] = {}  # pid -> provider (or None: tracing off); forks start afresh
+
 
 def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
@@ -62,3 +64,17 @@ def _exporter(service: str, run_dir: str | os.PathLike[str] | None) -> Any:
 
     folder = Path(run_dir or _env("PUSHKV_RUN_DIR") or "runs/latest")
     return JsonLinesSpanExporter(folder / f"traces-{service}-{os.getpid()}.jsonl")
+
+
+def process_tracer(service_name: str, *, role: str, attributes: dict[str, Any] | None = None,
+                   scope: str = "pushkv") -> Any:
+    """The tracer of this process's own provider, made on first use (None when tracing is
+    off). For code that lives inside another program (vLLM's EngineCore and workers): the
+    provider is not installed globally, so vLLM's own tracing set-up is left alone, and the
+    scheduler and a worker sharing one process share one provider and one file."""
+    pid = os.getpid()
+    if pid not in _PROCESS:
+        _PROCESS[pid] = setup_tracing(service_name, role=role, attributes=attributes,
+                                      set_global=False)
+    provider = _PROCESS[pid]
+    return None if provider is None else provider.get_tracer(scope)

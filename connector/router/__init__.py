@@ -10,7 +10,7 @@ when ``create_app`` or ``main`` is called.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig, parse_args
 
@@ -21,10 +21,10 @@ __all__ = ["CoordOverride", "Mode", "PrefillCoords", "RouterConfig", "create_app
            "parse_args"]
 
 
-def create_app(config: RouterConfig) -> Starlette:
+def create_app(config: RouterConfig, tracer: Any = None) -> Starlette:
     from connector.router.app import create_app as _create_app
 
-    return _create_app(config)
+    return _create_app(config, tracer)
 
 
 def main(argv: list[str]) -> int:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +31,7 @@ from connector.router import legs
 from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
 from connector.router.relay import Dispatch, from_exception
+from connector.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,9 @@ logger = logging.getLogger(__name__)
 class RouterState:
     """One router instance's state; lives on ``app.state.router``."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, tracer: Any = None) -> None:
         self.config = config
+        self.tracer = tracer  # None: tracing off
         self.backends = Backends(config)
         # P legs still running after D's answer went out (see relay.Dispatch._cleanup).
         self.background: set[asyncio.Task[Any]] = set()
@@ -71,14 +74,32 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
                         status_code=status)
 
 
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    """The request body has been read, so the next message is the disconnect (uvicorn also
-    sends it once the response is complete; by then cancelling is harmless)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
+class _Exchange:
+    """What the endpoint learns while it answers: the status sent, whether the client left."""
+
+    def __init__(self, send: Send, state: RouterState) -> None:
+        self._send, self._state = send, state
+        self.status: int | None = None
+        self.complete = False
+        self.disconnected = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self._state.responses[message["status"]] += 1
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            self.complete = True
+        await self._send(message)
+
+    async def watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        """The request body has been read, so the next message is the disconnect (uvicorn
+        also sends it once the response is complete; by then cancelling is harmless)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = not self.complete
+                scope.cancel()
+                return
 
 
 class ProxyEndpoint:
@@ -91,22 +112,37 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
-
-        async def counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                state.responses[message["status"]] += 1
-            await send(message)
-
         request = Request(scope, receive)
+        trace = RequestTrace(state.tracer, request.headers.get("traceparent"),
+                             mode=state.config.mode.value, endpoint=self.endpoint.name.lower())
+        exchange = _Exchange(send, state)
+        error: str | None = None
+        try:
+            error = await self._answer(scope, receive, request, trace, exchange)
+        except BaseException:
+            error = "cancelled" if exchange.disconnected else "router_error"
+            raise
+        finally:
+            if exchange.disconnected:
+                error = "cancelled"  # the client left before the answer was complete
+            trace.end(exchange.status, error)
+
+    async def _answer(self, scope: Scope, receive: Receive, request: Request,
+                      trace: RequestTrace, exchange: _Exchange) -> str | None:
+        """Serve one request; returns why it failed before any leg ran, if it did."""
+        state, counted = self.state, exchange.send
         try:
             raw = await request.body()
         except ClientDisconnect:
-            return
+            return "cancelled"
         try:
             body = legs.parse_client_body(raw, self.endpoint)
         except legs.InvalidRequest as exc:
             await error_response(400, str(exc), "invalid_request_error")(scope, receive, counted)
-            return
+            return "invalid_request"
+        request_id = legs.request_id_from(request.headers.get("x-request-id"))
+        trace.request_parsed(body, request_id)
+        route_start = time.time_ns()
         backends = state.backends
         reason = backends.unavailable_reason()
         p = backends.acquire(Role.PREFILL) if reason is None else None
@@ -114,27 +150,28 @@ class ProxyEndpoint:
         if p is None or d is None:
             if p is not None:
                 p.release()
-            await error_response(503, reason or "no healthy backend",
-                                 "service_unavailable")(scope, receive, counted)
-            return
+            reason = reason or "no healthy backend"
+            trace.routed(route_start, None, None, None, error="no_backend")
+            await error_response(503, reason, "service_unavailable")(scope, receive, counted)
+            return "no_backend"
+        trace.routed(route_start, p.backend.url, d.backend.url, d.backend.load.outstanding)
         dispatch = Dispatch(
-            state.config, self.endpoint, body, p, d,
-            request_id=legs.request_id_from(request.headers.get("x-request-id")),
-            traceparent=legs.new_traceparent(request.headers.get("traceparent")),
-            authorization=request.headers.get("authorization"),
-            background=state.background)
+            state.config, self.endpoint, body, p, d, request_id=request_id, trace=trace,
+            authorization=request.headers.get("authorization"), background=state.background)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            tg.start_soon(exchange.watch_disconnect, receive, tg.cancel_scope)
             try:
                 await dispatch.serve(counted)
             finally:
                 tg.cancel_scope.cancel()
+        return None
 
 
-def create_app(config: RouterConfig) -> Starlette:
+def create_app(config: RouterConfig, tracer: Any = None) -> Starlette:
     """The router as an ASGI app. Its lifespan opens the backend clients, runs a first
-    health round (and the probes) and starts the health loop; shutdown closes them."""
-    state = RouterState(config)
+    health round (and the probes) and starts the health loop; shutdown closes them.
+    ``tracer``: an OpenTelemetry tracer for the request spans; None, tracing off."""
+    state = RouterState(config, tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -193,6 +230,11 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn  # only the serving process needs it
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, access_log=False,
+    from telemetry.schema import Service
+    from telemetry.setup import setup_tracing
+
+    provider = setup_tracing(Service.ROUTER.value, role="router")
+    tracer = provider.get_tracer("pushkv.router") if provider is not None else None
+    uvicorn.run(create_app(config, tracer), host=config.host, port=config.port, access_log=False,
                 log_level=config.log_level, lifespan="on")
     return 0

@@ -30,6 +30,7 @@ from connector.core.errors import PushkvError
 from connector.router import legs
 from connector.router.backends import Backend, Lease
 from connector.router.config import Mode, RouterConfig
+from connector.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,12 +183,11 @@ class Dispatch:
     """One client request routed to one P and one D."""
 
     def __init__(self, config: RouterConfig, endpoint: legs.Endpoint, body: dict[str, Any],
-                 p: Lease, d: Lease, *, request_id: str, traceparent: str,
+                 p: Lease, d: Lease, *, request_id: str, trace: RequestTrace,
                  authorization: str | None, background: set[asyncio.Task[Any]]) -> None:
         self.config, self.endpoint, self.body = config, endpoint, body
         self.p, self.d = p, d
-        self.request_id, self.traceparent = request_id, traceparent
-        self.headers = legs.leg_headers(request_id, traceparent, authorization)
+        self.request_id, self.trace, self._authorization = request_id, trace, authorization
         self.stream = bool(body.get("stream", False))
         mode = config.mode
         self.transfer_id = (legs.vllm_transfer_id() if mode is Mode.VLLM_PUSH
@@ -196,14 +196,29 @@ class Dispatch:
         self._p_task: asyncio.Task[dict[str, Any]] | None = None
         self._d_resp: httpx.Response | None = None
         self._d_done = False  # D's whole answer has been relayed
+        self._d_error: str | None = None  # why the D leg failed (its span's reason)
 
     # -- the two legs ------------------------------------------------------------------
 
     async def _prefill(self) -> dict[str, Any]:
-        body = legs.prefill_body(self.config.mode, self.endpoint, self.body,
-                                 transfer_id=self.transfer_id, traceparent=self.traceparent)
+        error: str | None = "cancelled"
+        try:
+            answer = await self._prefill_leg()
+            error = None
+            return answer
+        except UpstreamError as err:
+            error = err.message
+            raise
+        finally:
+            self.trace.prefill_ended(error)
+
+    async def _prefill_leg(self) -> dict[str, Any]:
         p = self.p.backend
-        answer = await post_json(p, self.endpoint.path, body, self.headers,
+        traceparent = self.trace.prefill_started(p.url)
+        body = legs.prefill_body(self.config.mode, self.endpoint, self.body,
+                                 transfer_id=self.transfer_id, traceparent=traceparent)
+        headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
+        answer = await post_json(p, self.endpoint.path, body, headers,
                                  self.config.timeout_s, f"prefill transfer_id={self.transfer_id}")
         params = answer.get("kv_transfer_params")
         if self.config.mode is Mode.PUSH and isinstance(params, dict) and "pushkv_error" in params:
@@ -214,14 +229,15 @@ class Dispatch:
                                      f"{params['pushkv_error']}", backend=p.name)
         return answer
 
-    def _decode(self, body: dict[str, Any]) -> Awaitable[httpx.Response]:
-        return open_stream(self.d.backend, self.endpoint.path, body, self.headers,
-                           f"decode transfer_id={self.transfer_id}")
-
-    def _decode_body(self, prefill_params: dict[str, Any] | None = None) -> dict[str, Any]:
-        return legs.decode_body(self.config.mode, self.body, transfer_id=self.transfer_id,
-                                traceparent=self.traceparent, request_id=self.request_id,
+    def _decode(self, prefill_params: dict[str, Any] | None = None) -> Awaitable[httpx.Response]:
+        d = self.d.backend
+        traceparent = self.trace.decode_started(d.url)
+        body = legs.decode_body(self.config.mode, self.body, transfer_id=self.transfer_id,
+                                traceparent=traceparent, request_id=self.request_id,
                                 coords=self.p.backend.coords, prefill_params=prefill_params)
+        headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
+        return open_stream(d, self.endpoint.path, body, headers,
+                           f"decode transfer_id={self.transfer_id}")
 
     # -- serving -----------------------------------------------------------------------
 
@@ -251,20 +267,22 @@ class Dispatch:
                 return await _send_error(send, err, self.request_id)
             params = legs.apply_pull_overrides(params, self.p.backend.override)
             watch = PrefillWatch(None)
-            decode = self._decode(self._decode_body(params))
+            decode = self._decode(params)
         else:
             # Both legs leave now. The P leg is a task so that D's relay can watch it.
             self._p_task = asyncio.create_task(self._prefill(), name=f"prefill-{self.transfer_id}")
             self._p_task.add_done_callback(lambda _t: self.p.release())
             watch = PrefillWatch(self._p_task)
-            decode = self._decode(self._decode_body())
+            decode = self._decode()
         try:
             opened = await watch.run(decode)
         except UpstreamError as err:
+            self._d_error = err.message
             self._cancel_prefill()
             return await _send_error(send, err, self.request_id)
         if isinstance(opened, _PrefillFailed):
             assert watch.failure is not None
+            self._d_error = "prefill leg failed"
             return await _send_error(send, watch.failure, self.request_id)
         self._d_resp = opened
         if self.stream:
@@ -283,10 +301,13 @@ class Dispatch:
             return await self._decode_failed(send, exc, started=False)
         if isinstance(body, _PrefillFailed):
             assert watch.failure is not None
+            self._d_error = "prefill leg failed"
             return await _send_error(send, watch.failure, self.request_id)
+        self.trace.decode_bytes()
         self._d_done = True
         await send(self._response_start(resp))
         await send({"type": "http.response.body", "body": body, "more_body": False})
+        self.trace.sent(body, stream=False)
 
     async def _relay_stream(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
         await send(self._response_start(resp))
@@ -299,12 +320,15 @@ class Dispatch:
                 return await self._decode_failed(send, exc, started=True, tail=tail)
             if isinstance(chunk, _PrefillFailed):
                 assert watch.failure is not None
+                self._d_error = "prefill leg failed"
                 return await _send_body(send, _event_break(tail) + watch.failure.sse())
             if chunk is None:
                 break
             if chunk:
+                self.trace.decode_bytes()
                 tail = (tail + chunk)[-2:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.trace.sent(chunk, stream=True)
         self._d_done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -313,6 +337,7 @@ class Dispatch:
         """D broke mid-answer (timeout between bytes, dropped connection)."""
         d = self.d.backend
         err = from_exception(exc, d, f"decode transfer_id={self.transfer_id}")
+        self._d_error = err.message
         d.load.record_leg_failure(suspect=True)
         logger.warning("router decode leg failed: %s", err.message)
         self._cancel_prefill()  # nobody will consume P's KV now
@@ -341,6 +366,7 @@ class Dispatch:
             self.p.release()
         await _close(self._d_resp)
         self.d.release()
+        self.trace.decode_ended(None if self._d_done else (self._d_error or "cancelled"))
 
 
 def _event_break(tail: bytes) -> bytes:

@@ -1,0 +1,182 @@
+"""The router's spans of one request: ``request`` (root), ``route``, ``prefill_leg``,
+``decode_leg`` and ``first_byte`` (telemetry/schema.py has the tree).
+
+Owns: ``RequestTrace``, which the endpoint and ``relay.Dispatch`` call at each step of a
+request (all on the event loop), and which makes the ``traceparent`` each leg carries: the
+P leg's names ``prefill_leg`` as parent, the D leg's ``decode_leg``, so P's and D's spans
+hang under the leg that caused them. It also watches D's answer as it is relayed: the
+first token sent to the client (the client-observed TTFT, event ``first_chunk``), the
+number of token events and the usage numbers, for the request's TTFT/TPOT attributes.
+
+With tracing off (no tracer) it still makes one valid traceparent for both legs, so P's and
+D's logs keep one id per request, and does nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from connector.router import legs
+from telemetry.emit import emit, parent_context, traceparent_of
+from telemetry.schema import Attr, Event, Span
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+class RequestTrace:
+    def __init__(self, tracer: Any, incoming: str | None, *, mode: str, endpoint: str) -> None:
+        self._tracer = tracer
+        self._fallback = legs.new_traceparent(incoming)
+        self._root: Any = None
+        self._prefill: Any = None
+        self._decode: Any = None
+        self._decode_start_ns = 0
+        self._closing = False
+        self.first_chunk_ns = 0
+        self.last_chunk_ns = 0
+        self.token_events = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        if tracer is not None:
+            self._root = tracer.start_span(
+                Span.REQUEST.value, context=parent_context(incoming), kind=SpanKind.SERVER,
+                attributes={Attr.MODE.value: mode, Attr.ENDPOINT.value: endpoint})
+
+    @property
+    def on(self) -> bool:
+        return self._root is not None
+
+    def _ctx(self) -> Any:
+        from opentelemetry import trace
+
+        return trace.set_span_in_context(self._root)
+
+    def request_parsed(self, body: dict[str, Any], request_id: str) -> None:
+        if self._root is not None:
+            model = body.get("model")
+            self._root.set_attributes({
+                Attr.REQUEST_ID.value: request_id, Attr.STREAM.value: bool(body.get("stream")),
+                **({Attr.REQUEST_MODEL.value: model} if isinstance(model, str) else {})})
+
+    def routed(self, start_ns: int, prefill_url: str | None, decode_url: str | None,
+               outstanding: int | None, error: str | None = None) -> None:
+        if self._root is None:
+            return
+        emit(self._tracer, Span.ROUTE, parent=self._ctx(), start_ns=start_ns,
+             end_ns=time.time_ns(), error=error,
+             attributes={Attr.PREFILL_URL: prefill_url, Attr.DECODE_URL: decode_url,
+                         Attr.PENDING: outstanding,
+                         Attr.ROUTE_REASON: None if error else "least outstanding among healthy"})
+        if decode_url:
+            self._root.set_attributes({Attr.DECODE_URL.value: decode_url,
+                                       Attr.PREFILL_URL.value: prefill_url or ""})
+
+    # -- legs: each returns the traceparent its request carries --------------------------
+    def prefill_started(self, url: str) -> str:
+        if self._root is None:
+            return self._fallback
+        self._prefill = self._tracer.start_span(
+            Span.PREFILL_LEG.value, context=self._ctx(), kind=SpanKind.CLIENT,
+            attributes={Attr.PREFILL_URL.value: url})
+        return traceparent_of(self._prefill) or self._fallback
+
+    def prefill_ended(self, error: str | None = None) -> None:
+        _end(self._prefill, error)
+        self._prefill = None
+        if self._closing:
+            self._close_root()
+
+    def decode_started(self, url: str) -> str:
+        if self._root is None:
+            return self._fallback
+        self._decode_start_ns = time.time_ns()
+        self._decode = self._tracer.start_span(
+            Span.DECODE_LEG.value, context=self._ctx(), kind=SpanKind.CLIENT,
+            start_time=self._decode_start_ns, attributes={Attr.DECODE_URL.value: url})
+        return traceparent_of(self._decode) or self._fallback
+
+    def decode_ended(self, error: str | None = None) -> None:
+        _end(self._decode, error)
+        self._decode = None
+
+    def decode_bytes(self) -> None:
+        """D's first body bytes arrived (called for every chunk; acts on the first)."""
+        if self._decode is not None and self._decode_start_ns:
+            from opentelemetry import trace
+
+            emit(self._tracer, Span.FIRST_BYTE, parent=trace.set_span_in_context(self._decode),
+                 start_ns=self._decode_start_ns, end_ns=time.time_ns())
+            self._decode_start_ns = 0
+
+    # -- what the client got -------------------------------------------------------------
+    def sent(self, chunk: bytes, *, stream: bool) -> None:
+        """A piece of D's answer went to the client."""
+        if self._root is None or not chunk:
+            return
+        now = time.time_ns()
+        if stream:
+            events = chunk.count(b"data: {") - chunk.count(b'"choices":[]')
+            if events <= 0:
+                return
+            self.token_events += events
+        if not self.first_chunk_ns:
+            self.first_chunk_ns = now
+            self._root.add_event(Event.FIRST_CHUNK.value, timestamp=now)
+        self.last_chunk_ns = now
+        if b"usage" in chunk:
+            if m := _PROMPT_TOKENS.search(chunk):
+                self.prompt_tokens = int(m[1])
+            if m := _COMPLETION_TOKENS.search(chunk):
+                self.completion_tokens = int(m[1])
+
+    def end(self, status: int | None, error: str | None = None) -> None:
+        """The client has its answer. A P leg still running (D finished first; P's HTTP
+        answer is bookkeeping) keeps the root open until it ends, so every child lies
+        inside the root."""
+        root = self._root
+        if root is None or self._closing:
+            return
+        self._closing = True
+        self.decode_ended("cancelled")  # no-op unless the relay left it open
+        attrs: dict[str, Any] = {}
+        if status is not None:
+            attrs[Attr.HTTP_STATUS.value] = status
+        if self.first_chunk_ns:
+            attrs[Attr.TTFT_MS.value] = (self.first_chunk_ns - root.start_time) / 1e6
+        tokens = self.completion_tokens or self.token_events
+        if tokens > 1 and self.last_chunk_ns > self.first_chunk_ns:
+            attrs[Attr.TPOT_MS.value] = (self.last_chunk_ns - self.first_chunk_ns) / 1e6 / (tokens - 1)
+        if self.prompt_tokens is not None:
+            attrs[Attr.INPUT_TOKENS.value] = self.prompt_tokens
+        if tokens:
+            attrs[Attr.OUTPUT_TOKENS.value] = tokens
+        if error is None and status is not None and status >= 400:
+            error = f"http_{status}"
+        attrs[Attr.OUTCOME.value] = error or "ok"
+        if error is not None:
+            attrs[Attr.REASON.value] = error
+            root.set_status(Status(StatusCode.ERROR, error))
+        root.set_attributes(attrs)
+        if self._prefill is None:
+            self._close_root()
+
+    def _close_root(self) -> None:
+        root, self._root = self._root, None
+        if root is not None:
+            root.end()
+
+
+def _end(span: Any, error: str | None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.set_attributes({Attr.OUTCOME.value: error, Attr.REASON.value: error})
+        span.set_status(Status(StatusCode.ERROR, error))
+    else:
+        span.set_attribute(Attr.OUTCOME.value, "ok")
+    span.end()

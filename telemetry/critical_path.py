@@ -1,0 +1,281 @@
+"""The critical-path model: one trace -> consecutive segments that sum to the client's TTFT.
+
+Owns: which span edges are the boundaries of each segment, how missing boundaries become one
+"unknown" segment, and the flags for out-of-order (negative) gaps. Pure: takes a
+``telemetry.otlp_json.Trace``, returns frozen values; no I/O, no clock.
+
+Client-observed TTFT is the router ``request`` span's start -> its ``first_chunk`` event. All
+processes stamp unix nanos of one host clock. Push mode, boundaries in order (each segment runs
+from the previous boundary to its own, so the segments telescope to exactly end - start):
+
+    request.start
+    -> prefill_leg.start                  router overhead
+    -> P prefill's scheduled event         P queue
+    -> prefill.end                        P prefill (prompt KV complete)
+    -> rendezvous_wait.end                rendezvous wait (0 unless D registered after prefill)
+    -> prepare_descriptors.end            descriptor prep
+    -> write.end                          WRITE (posted -> DONE)
+    -> D first_token's scheduled event     notification to schedule (D); await_kv.end is a mark
+    -> first_token.end                    D first step
+    -> request's first_chunk event        stream back
+
+With several P TP ranks the critical rank is the one whose ``write`` ends last; its own
+prefill / rendezvous / descriptor spans give the P boundaries. Router-only modes (``pull``,
+``vllm-push``) have only router spans: router overhead / prefill leg / decode leg to first
+byte / stream back. A request that never produced a first token ends at the request span's
+end; ``ttft_ns`` is then None and the segments sum to the time until it ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from telemetry.otlp_json import SpanRecord, Trace
+from telemetry.schema import Attr, Event, Span
+
+PUSH_MODE = "push"
+
+
+class Seg(str, Enum):
+    """Segment names (labels for people; the spans behind them come from the schema)."""
+
+    ROUTER = "router overhead"
+    P_QUEUE = "P queue"
+    P_PREFILL = "P prefill"
+    RENDEZVOUS = "rendezvous wait"
+    DESCRIPTORS = "descriptor prep"
+    WRITE = "WRITE"
+    NOTIFY = "notification to schedule (D)"
+    D_STEP = "D first step"
+    STREAM_BACK = "stream back"
+    PREFILL_LEG = "prefill leg"
+    DECODE_LEG = "decode leg to first byte"
+    UNKNOWN = "unknown"
+
+
+PUSH_SEGMENTS: tuple[Seg, ...] = (Seg.ROUTER, Seg.P_QUEUE, Seg.P_PREFILL, Seg.RENDEZVOUS,
+                                  Seg.DESCRIPTORS, Seg.WRITE, Seg.NOTIFY, Seg.D_STEP,
+                                  Seg.STREAM_BACK)
+ROUTER_SEGMENTS: tuple[Seg, ...] = (Seg.ROUTER, Seg.PREFILL_LEG, Seg.DECODE_LEG, Seg.STREAM_BACK)
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """An instant that closes a segment; ``time_ns`` None when it could not be observed."""
+
+    label: str  # e.g. "write.end"
+    time_ns: int | None
+    span: SpanRecord | None
+    ends_span: bool = True  # the span's end (its error, if any, is the segment's); else an event
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    name: Seg
+    start_ns: int
+    end_ns: int
+    covers: tuple[Seg, ...]  # for UNKNOWN: the segments it stands for; else (name,)
+    span_ids: tuple[str, ...]  # spans whose edges bound it (the critical path)
+    error: str | None = None  # the bounding span ended in error: its reason
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def negative(self) -> bool:
+        return self.end_ns < self.start_ns
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """An instant worth showing inside a segment (not a boundary)."""
+
+    label: str
+    time_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class CriticalPath:
+    trace_id: str
+    model: str  # "push" or "router"
+    mode: str  # the router's mode attribute ("unknown" when absent)
+    start_ns: int
+    end_ns: int
+    ttft_ns: int | None  # None: no first chunk reached the client
+    segments: tuple[Segment, ...]
+    marks: tuple[Mark, ...]
+    anomalies: tuple[str, ...]  # negative gaps, duplicated spans: never silently dropped
+    rendezvous_first: str | None = None
+    critical_tp_rank: int | None = None
+
+    @property
+    def total_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def span_ids(self) -> frozenset[str]:
+        return frozenset(i for seg in self.segments for i in seg.span_ids)
+
+    def durations_ns(self) -> dict[Seg, int]:
+        """Per segment name (unknown ones added up under UNKNOWN)."""
+        out: dict[Seg, int] = {}
+        for seg in self.segments:
+            out[seg.name] = out.get(seg.name, 0) + seg.duration_ns
+        return out
+
+
+def _start(sp: SpanRecord | None) -> int | None:
+    return sp.start_ns if sp else None
+
+
+def _end(sp: SpanRecord | None) -> int | None:
+    return sp.end_ns if sp else None
+
+
+def _event(sp: SpanRecord | None, name: Event) -> int | None:
+    ev = sp.event(name.value) if sp else None
+    return ev.time_ns if ev else None
+
+
+def _reason(sp: SpanRecord | None) -> str | None:
+    if sp is None or not sp.is_error:
+        return None
+    return str(sp.attr(Attr.REASON.value) or sp.status_message or "error")
+
+
+def _rank(sp: SpanRecord) -> int | None:
+    r = sp.attr(Attr.TP_RANK.value)
+    return int(r) if r is not None else None
+
+
+def _of_rank(spans: Sequence[SpanRecord], rank: int | None) -> SpanRecord | None:
+    """The span of ``rank`` (the last-ending one when ranks are not told apart)."""
+    same = [sp for sp in spans if _rank(sp) == rank]
+    pool = same or list(spans)
+    return max(pool, key=lambda sp: sp.end_ns) if pool else None
+
+
+def _single(trace: Trace, name: Span, anomalies: list[str], last: bool = False) -> SpanRecord | None:
+    spans = trace.named(name.value)
+    if len(spans) > 1:
+        which = "last" if last else "first"
+        anomalies.append(f"{len(spans)} {name.value} spans; the {which} one is used")
+    if not spans:
+        return None
+    return spans[-1] if last else spans[0]
+
+
+def _push_boundaries(trace: Trace, anomalies: list[str]) -> tuple[list[Boundary], list[Mark], int | None]:
+    # a retried dispatch makes a new prefill leg; the last one is the one that served the request
+    leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
+    writes = trace.named(Span.WRITE.value)
+    prefills = trace.named(Span.PREFILL.value)
+    critical = max(writes, key=lambda sp: sp.end_ns) if writes else _of_rank(prefills, None)
+    rank = _rank(critical) if critical else None
+    prefill = _of_rank(prefills, rank)
+    rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)
+    prep = _of_rank(trace.named(Span.PREPARE_DESCRIPTORS.value), rank)
+    write = _of_rank(writes, rank)
+    first_token = _single(trace, Span.FIRST_TOKEN, anomalies)
+    bounds = [
+        Boundary("prefill_leg.start", _start(leg), leg, False),
+        Boundary("prefill.scheduled", _event(prefill, Event.SCHEDULED), prefill, False),
+        Boundary("prefill.end", _end(prefill), prefill),
+        Boundary("rendezvous_wait.end", _end(rdv), rdv),
+        Boundary("prepare_descriptors.end", _end(prep), prep),
+        Boundary("write.end", _end(write), write),
+        Boundary("first_token.scheduled", _event(first_token, Event.SCHEDULED), first_token,
+                 False),
+        Boundary("first_token.end", _end(first_token), first_token),
+    ]
+    marks = [Mark(f"{name.value}.end", sp.end_ns)
+             for name in (Span.REGISTER, Span.AWAIT_KV, Span.FIRST_BYTE)
+             for sp in trace.named(name.value)[:1]]
+    if len(writes) > 1:
+        marks += [Mark(f"write.end (tp_rank {_rank(w)})", w.end_ns) for w in writes if w is not write]
+    return bounds, marks, rank
+
+
+def _router_boundaries(trace: Trace, anomalies: list[str]) -> tuple[list[Boundary], list[Mark], None]:
+    leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
+    first_byte = _single(trace, Span.FIRST_BYTE, anomalies)
+    bounds = [
+        Boundary("prefill_leg.start", _start(leg), leg, False),
+        Boundary("prefill_leg.end", _end(leg), leg),
+        Boundary("first_byte.end", _end(first_byte), first_byte),
+    ]
+    decode = trace.first(Span.DECODE_LEG.value)
+    marks = [Mark("decode_leg.start", decode.start_ns)] if decode else []
+    return bounds, marks, None
+
+
+_Model = Callable[[Trace, list[str]], tuple[list[Boundary], list[Mark], int | None]]
+_MODELS: dict[str, tuple[tuple[Seg, ...], _Model]] = {
+    "push": (PUSH_SEGMENTS, _push_boundaries),
+    "router": (ROUTER_SEGMENTS, _router_boundaries),
+}
+
+
+def _segments(names: Sequence[Seg], start: Boundary, bounds: Sequence[Boundary],
+              anomalies: list[str]) -> list[Segment]:
+    """Segment i ends at boundary i; a run of missing boundaries becomes one UNKNOWN segment
+    reaching the next boundary that was observed (the last, the end, always is)."""
+    out: list[Segment] = []
+    prev = start
+    pending: list[Seg] = []
+    for name, b in zip(names, bounds, strict=True):
+        if b.time_ns is None:
+            pending.append(name)
+            continue
+        assert prev.time_ns is not None
+        ids = tuple(dict.fromkeys(sp.span_id for sp in (prev.span, b.span) if sp is not None))
+        covers = (*pending, name)
+        seg = Segment(Seg.UNKNOWN if pending else name, prev.time_ns, b.time_ns, covers, ids,
+                      _reason(b.span) if b.ends_span else None)
+        if seg.negative:
+            anomalies.append(f"negative gap {prev.label} -> {b.label}: "
+                             f"{seg.duration_ns / 1e6:.3f} ms ({' + '.join(c.value for c in covers)})")
+        out.append(seg)
+        prev, pending = b, []
+    return out
+
+
+def model_for(mode: str, trace: Trace) -> str:
+    """Push mode (or no mode attribute, with P/D spans present) -> push; else router."""
+    if mode == PUSH_MODE:
+        return "push"
+    if mode == "unknown" and (trace.named(Span.WRITE.value) or trace.named(Span.PREFILL.value)):
+        return "push"
+    return "router"
+
+
+def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None:
+    """The TTFT decomposition of one trace; None when the trace has no router request span."""
+    anomalies: list[str] = []
+    req = _single(trace, Span.REQUEST, anomalies)
+    if req is None:
+        return None
+    mode = str(req.attr(Attr.MODE.value) or "unknown")
+    model = model or model_for(mode, trace)
+    names, boundaries_of = _MODELS[model]
+    bounds, marks, rank = boundaries_of(trace, anomalies)
+    first_chunk = _event(req, Event.FIRST_CHUNK)
+    end_ns = first_chunk if first_chunk is not None else req.end_ns
+    # a first chunk is an event: the request's error (if any) belongs on the segment only
+    # when the request ended without one
+    end = Boundary("request.first_chunk" if first_chunk is not None else "request.end",
+                   end_ns, req, ends_span=first_chunk is None)
+    start = Boundary("request.start", req.start_ns, req, False)
+    segments = _segments(names, start, [*bounds, end], anomalies)
+    rdv = trace.first(Span.RENDEZVOUS_WAIT.value)
+    first = rdv.attr(Attr.FIRST_ARRIVED.value) if rdv else None
+    return CriticalPath(
+        trace_id=trace.trace_id, model=model, mode=mode, start_ns=req.start_ns,
+        end_ns=end_ns,
+        ttft_ns=first_chunk - req.start_ns if first_chunk is not None else None,
+        segments=tuple(segments), marks=tuple(sorted(marks, key=lambda m: m.time_ns)),
+        anomalies=tuple(anomalies), rendezvous_first=str(first) if first else None,
+        critical_tp_rank=rank)
