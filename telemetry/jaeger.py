@@ -7,8 +7,8 @@ traces come concatenated in one ``resourceSpans`` list and are grouped by trace 
 Jaeger's search has no cursor: ``query.start_time_min``/``max`` are required and
 ``query.search_depth`` caps the traces of one answer, newest first. ``find_traces`` pages by
 narrowing the window: when a page comes back full, the next asks for traces that started no
-later than the oldest one seen (inclusive, so traces sharing that instant are not lost; a
-trace seen twice is kept once), until a page adds nothing or ``limit`` is reached.
+later than the oldest one seen (inclusive, so traces sharing that instant are not lost; the
+page is made larger by the traces it will repeat, which are kept once), until a page adds nothing or ``limit`` is reached.
 Not found is HTTP 404 with ``{"error": {"httpCode": 404, "message": "No traces found"}}``:
 that is an empty answer, not an error. Anything else that goes wrong raises ``JaegerError``
 with the URL and what Jaeger said.
@@ -120,8 +120,9 @@ class JaegerClient:
         lower = unix_ns(start_min)
         upper = unix_ns(start_max or datetime.now(UTC))
         found: dict[str, Trace] = {}
+        at_edge = 0  # traces already seen that start at ``upper``: the next page repeats them
         while len(found) < limit:
-            depth = min(page_size, limit - len(found))
+            depth = min(page_size, limit - len(found)) + at_edge
             page = self.find_page(service, lower, upper, depth, operation)
             new = [t for t in page if t.trace_id not in found]
             for t in new:
@@ -129,6 +130,7 @@ class JaegerClient:
             if len(page) < depth or not new:
                 break
             upper = min(t.start_ns for t in page)
+            at_edge = sum(1 for t in found.values() if t.start_ns == upper)
         return sorted(found.values(), key=lambda t: t.start_ns)[:limit]
 
 

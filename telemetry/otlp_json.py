@@ -159,6 +159,7 @@ def _hex_id(raw: Any, nbytes: int, what: str) -> str:
 
 
 def _nanos(raw: Any, what: str) -> int:
+    # proto3 JSON leaves zero values out, so an absent time is 0, not an error
     try:
         return int(raw)
     except (TypeError, ValueError):
@@ -180,13 +181,13 @@ def parse_span(sp: Mapping[str, Any], resource: Mapping[str, Any]) -> SpanRecord
         parent_span_id=_hex_id(parent, 8, f"parentSpanId of span {name!r}") if parent else None,
         name=name,
         kind=int(sp.get("kind", 0)) if str(sp.get("kind", 0)).isdigit() else 0,
-        start_ns=_nanos(sp.get("startTimeUnixNano"), f"startTimeUnixNano of {name!r}"),
-        end_ns=_nanos(sp.get("endTimeUnixNano"), f"endTimeUnixNano of {name!r}"),
+        start_ns=_nanos(sp.get("startTimeUnixNano", 0), f"startTimeUnixNano of {name!r}"),
+        end_ns=_nanos(sp.get("endTimeUnixNano", 0), f"endTimeUnixNano of {name!r}"),
         status=code,
         status_message=status.get("message", ""),
         attributes=attributes(sp.get("attributes", ())),
         events=tuple(
-            SpanEvent(ev.get("name", ""), _nanos(ev.get("timeUnixNano"), f"event of {name!r}"),
+            SpanEvent(ev.get("name", ""), _nanos(ev.get("timeUnixNano", 0), f"event of {name!r}"),
                       attributes(ev.get("attributes", ())))
             for ev in sp.get("events", ())),
         resource=resource,
