@@ -139,7 +139,10 @@ class TransferSpans:
         rec.reg_last_ns = at_ns
 
     def _rendezvous(self, tid: str, rec: _Push, end_ns: int, error: str | None) -> Any:
-        parent = _parent(rec.note.trace if rec.note else rec.reg_trace)
+        # The transfer serves D's leg: its spans hang under the context D's registration
+        # carried (the router's decode_leg, which lasts until D's answer is out), not under
+        # P's leg, whose HTTP answer may come back before the WRITE ends.
+        parent = _parent(rec.reg_trace or (rec.note.trace if rec.note else None))
         known = [t for t in (rec.prefill_ns, rec.reg_first_ns) if t]
         start = min(known) if known else end_ns
         first = None

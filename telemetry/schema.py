@@ -16,16 +16,20 @@ rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
       prefill_leg [router] (CLIENT)      P leg sent -> P's response read
         prefill [P]                      engine arrival -> prompt KV complete on this rank
                                          (event scheduled: first scheduled by P's engine)
-        rendezvous_wait [P]              first of (registration, prefill done) -> second
-                                         (events registration, prefill_done; attr first)
-        prepare_descriptors [P]          block ids -> NIXL descriptors (blocks/regions/descs)
-        write [P]                        WRITE posted -> DONE (bytes, descriptors, GB/s, peer)
       decode_leg [router] (CLIENT)       D leg sent -> D's stream fully relayed
         first_byte [router]              D leg sent -> first byte of D's answer
         register [D]                     blocks allocated -> registration sent
         await_kv [D]                     registration sent -> last completion counted (p_ranks)
+        rendezvous_wait [P]              first of (registration, prefill done) -> second
+                                         (events registration, prefill_done; attr first)
+        prepare_descriptors [P]          block ids -> NIXL descriptors (blocks/regions/descs)
+        write [P]                        WRITE posted -> DONE (bytes, descriptors, GB/s, peer)
         first_token [D]                  KV complete -> first token out of D's engine
                                          (event scheduled: D scheduled its first step)
+
+P's transfer spans hang under the decode leg: the registration carries D's context to P,
+and the transfer serves D's leg (P's HTTP answer may be back before its WRITE ends). With
+no registration (a transfer that failed before one came) they fall back to P's leg.
 
 Spans observed by polling carry the timestamps where they were observed, set explicitly.
 A span that ends in failure (fail, cancel, lease expiry, deadline) has an error status and

@@ -37,6 +37,7 @@ class RequestTrace:
         self._decode: Any = None
         self._decode_start_ns = 0
         self._closing = False
+        self._tail = b""  # the end of what was sent, for patterns split across chunks
         self.first_chunk_ns = 0
         self.last_chunk_ns = 0
         self.token_events = 0
@@ -119,20 +120,25 @@ class RequestTrace:
         if self._root is None or not chunk:
             return
         now = time.time_ns()
+        seen = self._tail + chunk
+        self._tail = seen[-512:]
+        if b"usage" in seen:
+            if m := _PROMPT_TOKENS.search(self._tail if stream else chunk):
+                self.prompt_tokens = int(m[1])
+            if m := _COMPLETION_TOKENS.search(self._tail if stream else chunk):
+                self.completion_tokens = int(m[1])
         if stream:
-            events = chunk.count(b"data: {") - chunk.count(b'"choices":[]')
+            # Count the patterns that end in this chunk (a window reaching len - 1 bytes
+            # back), so one split across two chunks counts once.
+            events = (_ends_in(seen, chunk, b"data: {")
+                      - _ends_in(seen, chunk, b'"choices":[]'))
             if events <= 0:
-                return
+                return  # [DONE], a usage-only event, or a piece of an event
             self.token_events += events
         if not self.first_chunk_ns:
             self.first_chunk_ns = now
             self._root.add_event(Event.FIRST_CHUNK.value, timestamp=now)
         self.last_chunk_ns = now
-        if b"usage" in chunk:
-            if m := _PROMPT_TOKENS.search(chunk):
-                self.prompt_tokens = int(m[1])
-            if m := _COMPLETION_TOKENS.search(chunk):
-                self.completion_tokens = int(m[1])
 
     def end(self, status: int | None, error: str | None = None) -> None:
         """The client has its answer. A P leg still running (D finished first; P's HTTP
@@ -180,3 +186,7 @@ def _end(span: Any, error: str | None) -> None:
     else:
         span.set_attribute(Attr.OUTCOME.value, "ok")
     span.end()
+
+
+def _ends_in(seen: bytes, chunk: bytes, pattern: bytes) -> int:
+    return seen[-(len(chunk) + len(pattern) - 1):].count(pattern)

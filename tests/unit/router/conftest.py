@@ -68,7 +68,7 @@ class Cluster:
 class MakeCluster(Protocol):
     async def __call__(self, n_p: int = 1, n_d: int = 1, *, mode: Mode = Mode.PUSH,
                        setup: Callable[[list[MockBackend], list[MockBackend]], None] | None = None,
-                       **config: Any) -> Cluster: ...
+                       tracer: Any = None, **config: Any) -> Cluster: ...
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ async def cluster() -> AsyncIterator[MakeCluster]:
 
         async def make(n_p: int = 1, n_d: int = 1, *, mode: Mode = Mode.PUSH,
                        setup: Callable[[list[MockBackend], list[MockBackend]], None] | None = None,
-                       **config: Any) -> Cluster:
+                       tracer: Any = None, **config: Any) -> Cluster:
             ps = [MockBackend(f"p{i}", coords=p_coords(i), pull_params=(
                 p_pull_params(i) if mode is Mode.PULL else None)) for i in range(n_p)]
             ds = [MockBackend(f"d{i}") for i in range(n_d)]
@@ -97,7 +97,7 @@ async def cluster() -> AsyncIterator[MakeCluster]:
             cfg = RouterConfig(prefill_urls=tuple(s.url for s in servers[:n_p]),
                                decode_urls=tuple(s.url for s in servers[n_p:]), mode=mode,
                                **config)
-            app = create_app(cfg)
+            app = create_app(cfg, tracer)
             router = await InLoopServer(app).start()
             stack.push_async_callback(router.stop)
             # Runs first at teardown: no handler is left waiting on a gate.

