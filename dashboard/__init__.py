@@ -1,0 +1,1 @@
+"""pushkv's critical-path dashboard (``streamlit run dashboard/app.py``); see README.md."""

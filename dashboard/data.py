@@ -1,0 +1,201 @@
+"""The dashboard's data: traces -> critical paths -> pandas frames. Pure (no Streamlit).
+
+Owns: ``RunData`` (one loaded source), the request table's columns and their fallbacks, the
+"needs attention" order (failed first, then slowest), prompt-length and load buckets, and the
+long per-segment frame the decomposition and comparison views aggregate. Caching lives in
+``dashboard.state``; the views only read these frames.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pandas as pd
+
+from telemetry.critical_path import CriticalPath, Seg, critical_path
+from telemetry.jaeger import JaegerClient
+from telemetry.otlp_json import Trace
+from telemetry.schema import Attr, Event, Service, Span
+from telemetry.traces import read_run
+
+OK = "ok"
+# request-table columns, in display order
+COLUMNS = ["flag", "request_id", "ttft_ms", "tpot_ms", "input_tokens", "output_tokens", "mode",
+           "outcome", "reason", "load", "largest_segment", "unknown_ms", "start_s", "trace_id"]
+
+
+@dataclass(frozen=True)
+class RunData:
+    label: str  # what the source was (folder or Jaeger URL), for titles and comparisons
+    traces: dict[str, Trace]
+    paths: dict[str, CriticalPath | None]
+    requests: pd.DataFrame  # one row per trace, attention order, columns COLUMNS
+    segments: pd.DataFrame  # long: trace_id, segment, ms (requests with a TTFT only)
+    problems: tuple[str, ...]
+
+
+def _num(v: object) -> float | None:
+    try:
+        return float(v) if v is not None else None  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
+    req = t.first(Span.REQUEST.value)
+    a = req.attributes if req else {}
+    chunk = req.event(Event.FIRST_CHUNK.value) if req else None
+    ttft = _num(a.get(Attr.TTFT_MS.value))
+    if ttft is None and path is not None and path.ttft_ns is not None:
+        ttft = path.ttft_ns / 1e6
+    out_tokens = _num(a.get(Attr.OUTPUT_TOKENS.value))
+    tpot = _num(a.get(Attr.TPOT_MS.value))
+    if tpot is None and req and chunk and out_tokens and out_tokens > 1:
+        tpot = (req.end_ns - chunk.time_ns) / 1e6 / (out_tokens - 1)  # router-side fallback
+    prompt = _num(a.get(Attr.INPUT_TOKENS.value))
+    if prompt is None:
+        prefill = t.first(Span.PREFILL.value)
+        prompt = _num(prefill.attr(Attr.PROMPT_TOKENS.value)) if prefill else None
+    outcome = a.get(Attr.OUTCOME.value)
+    if outcome is None:
+        outcome = "incomplete" if req is None else "error" if req.is_error else OK if chunk else "no first token"
+    errors = [sp for sp in t.spans if sp.is_error]
+    reason = (req.attr(Attr.REASON.value) if req and req.is_error else None) or next(
+        (sp.attr(Attr.REASON.value) or sp.status_message for sp in errors), None)
+    largest = unknown = None
+    if path is not None:
+        known = [s for s in path.segments if s.name is not Seg.UNKNOWN]
+        largest = max(known, key=lambda s: s.duration_ns).name.value if known else None
+        unknown = sum(s.duration_ns for s in path.segments if s.name is Seg.UNKNOWN) / 1e6
+    return {
+        "request_id": str(a.get(Attr.REQUEST_ID.value) or t.trace_id[:16]),
+        "ttft_ms": ttft, "tpot_ms": tpot, "input_tokens": prompt, "output_tokens": out_tokens,
+        "mode": str(a.get(Attr.MODE.value) or (path.mode if path else "unknown")),
+        "outcome": str(outcome), "reason": str(reason) if reason else "",
+        "largest_segment": largest or "", "unknown_ms": unknown,
+        "anomalies": len(path.anomalies) if path else 0,
+        "start_ns": req.start_ns if req else t.start_ns,
+        "end_ns": req.end_ns if req else t.end_ns, "trace_id": t.trace_id,
+    }
+
+
+def in_flight_at_arrival(starts: list[int], ends: list[int]) -> list[int]:
+    """Requests in flight when each one arrived (itself included): the load it met."""
+    s, e = sorted(starts), sorted(ends)
+    return [bisect.bisect_right(s, x) - bisect.bisect_right(e, x) for x in starts]
+
+
+def attention_order(df: pd.DataFrame) -> pd.DataFrame:
+    """Failed first, then slowest TTFT first; requests without a TTFT sort as slow."""
+    key = pd.DataFrame({"failed": df["outcome"] != OK, "ttft": df["ttft_ms"].fillna(float("inf"))})
+    return df.loc[key.sort_values(["failed", "ttft"], ascending=[False, False]).index].reset_index(drop=True)
+
+
+def _flags(df: pd.DataFrame) -> pd.Series:
+    slow_at = df.loc[df["outcome"] == OK, "ttft_ms"].quantile(0.95) if (df["outcome"] == OK).any() else None
+    flags = []
+    for outcome, ttft, anomalies in zip(df["outcome"], df["ttft_ms"], df["anomalies"], strict=True):
+        if outcome != OK:
+            flags.append("failed")
+        elif slow_at is not None and ttft is not None and ttft >= slow_at and len(df) >= 5:
+            flags.append("slow")
+        elif anomalies:
+            flags.append("anomaly")
+        else:
+            flags.append("")
+    return pd.Series(flags, index=df.index, dtype="object")
+
+
+def request_frame(traces: list[Trace], paths: dict[str, CriticalPath | None]) -> pd.DataFrame:
+    rows = [_row(t, paths.get(t.trace_id)) for t in traces]
+    df = pd.DataFrame(rows, columns=[*COLUMNS[1:], "anomalies", "start_ns", "end_ns"])
+    if df.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    df["load"] = in_flight_at_arrival(df["start_ns"].tolist(), df["end_ns"].tolist())
+    df["start_s"] = (df["start_ns"] - df["start_ns"].min()) / 1e9
+    for col in ("ttft_ms", "tpot_ms", "input_tokens", "output_tokens", "unknown_ms"):
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    df["flag"] = _flags(df)
+    return attention_order(df)[COLUMNS]
+
+
+def segment_frame(paths: dict[str, CriticalPath | None]) -> pd.DataFrame:
+    """Long form: one row per (request with a TTFT, segment name), in ms."""
+    rows = [(tid, name.value, ns / 1e6)
+            for tid, p in paths.items() if p is not None and p.ttft_ns is not None
+            for name, ns in p.durations_ns().items()]
+    return pd.DataFrame(rows, columns=["trace_id", "segment", "ms"])
+
+
+def analyse(label: str, traces: list[Trace], problems: tuple[str, ...] = ()) -> RunData:
+    paths = {t.trace_id: critical_path(t) for t in traces}
+    return RunData(label, {t.trace_id: t for t in traces}, paths, request_frame(traces, paths),
+                   segment_frame(paths), problems)
+
+
+def load_run_folder(folder: str | Path) -> RunData:
+    run = read_run(folder)
+    return analyse(str(folder), list(run.traces), run.problems)
+
+
+def load_jaeger(url: str, service: str = Service.ROUTER.value, lookback_min: float = 60,
+                limit: int = 1000) -> RunData:
+    now = datetime.now(UTC)
+    traces = JaegerClient(url).find_traces(service, now - timedelta(minutes=lookback_min), now,
+                                           limit=limit)
+    return analyse(f"{url} ({service}, last {lookback_min:g} min)", traces)
+
+
+def pow2_bucket(n: float | None, floor: int = 1) -> str:
+    """``65-128`` style label of the power-of-two bin holding ``n`` (sortable by its start)."""
+    if n is None or pd.isna(n):
+        return "unknown"
+    hi = floor
+    while hi < n:
+        hi *= 2
+    lo = hi // 2 + 1 if hi > floor else 1
+    return f"{lo}-{hi}" if lo != hi else f"{hi}"
+
+
+def bucket_sort_key(label: str) -> float:
+    return float(label.split("-")[0]) if label[0].isdigit() else float("inf")
+
+
+def decomposition(run: RunData, by: str) -> pd.DataFrame:
+    """Mean ms of every segment per bucket of ``by`` ("input_tokens" or "load"), with counts.
+    Means, not medians, so a bar's stack adds up to the bucket's mean TTFT."""
+    if run.segments.empty:
+        return pd.DataFrame(columns=["bucket", "segment", "ms", "requests"])
+    buckets = run.requests.set_index("trace_id")[by].map(
+        lambda v: pow2_bucket(v, 16 if by == "input_tokens" else 1))
+    seg = run.segments.assign(bucket=run.segments["trace_id"].map(buckets))
+    wide = seg.pivot_table(index=["bucket", "trace_id"], columns="segment", values="ms",
+                           aggfunc="sum", fill_value=0.0)
+    means = wide.groupby(level="bucket").mean()
+    counts = wide.groupby(level="bucket").size()
+    long = means.reset_index().melt(id_vars="bucket", var_name="segment", value_name="ms")
+    long["requests"] = long["bucket"].map(counts)
+    order = {s.value: i for i, s in enumerate(Seg)}
+    long["_b"] = long["bucket"].map(bucket_sort_key)
+    long["_s"] = long["segment"].map(lambda s: order.get(s, len(order)))
+    return long.sort_values(["_b", "_s"]).drop(columns=["_b", "_s"]).reset_index(drop=True)
+
+
+def percentiles(run: RunData) -> pd.DataFrame:
+    """p50/p90/p99/mean of TTFT and of every segment (requests with a TTFT)."""
+    qs = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+    ok = run.requests.dropna(subset=["ttft_ms"])
+    rows = {"TTFT": ok["ttft_ms"]}
+    if not run.segments.empty:
+        wide = run.segments.pivot_table(index="trace_id", columns="segment", values="ms",
+                                        aggfunc="sum", fill_value=0.0)
+        for s in Seg:
+            if s.value in wide.columns:
+                rows[s.value] = wide[s.value]
+    out = pd.DataFrame({name: {**{k: col.quantile(q) for k, q in qs.items()}, "mean": col.mean(),
+                               "requests": int(col.count())} for name, col in rows.items()}).T
+    out.index.name = "ms"
+    return out
