@@ -32,11 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("router", help="the P/D router (pushkv router --help)", add_help=False)
     sub.add_parser("bench", help="push vs vLLM's connectors under vllm bench serve "
                    "(pushkv bench --help)", add_help=False)
+    sub.add_parser("collect", help="an OTLP/HTTP trace receiver writing JSON lines "
+                   "(pushkv collect --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["router"]:
         from connector.router import main as router_main
 
         return router_main(argv[1:])
+    if argv[:1] == ["collect"]:
+        from telemetry.collector import main as collect_main
+
+        return collect_main(argv[1:])
     if argv[:1] == ["bench"]:
         # bench/ is not an installed package: import it from the repository root.
         from pathlib import Path

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
 
 
-def _hex_ids(d: dict[str, Any]) -> dict[str, Any]:
+def hex_ids(d: dict[str, Any]) -> dict[str, Any]:
     """protobuf's JSON mapping writes bytes as base64; OTLP/JSON wants lowercase hex."""
     for rs in d.get("resourceSpans", ()):
         for ss in rs.get("scopeSpans", ()):
@@ -46,7 +46,7 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
     d = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
-    return json.dumps(_hex_ids(d), separators=(",", ":")) + "\n"
+    return json.dumps(hex_ids(d), separators=(",", ":")) + "\n"
 
 
 class JsonLinesSpanExporter(SpanExporter):

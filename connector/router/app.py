@@ -30,7 +30,7 @@ from starlette.types import Message, Receive, Scope, Send
 from connector.router import legs
 from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
-from connector.router.relay import Dispatch, from_exception
+from connector.router.relay import SSE_DONE, Dispatch, from_exception
 from connector.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ class _Exchange:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self._state.responses[message["status"]] += 1
-        elif message["type"] == "http.response.body" and not message.get("more_body"):
+        elif message["type"] == "http.response.body" and (
+                not message.get("more_body") or message.get("body", b"").endswith(SSE_DONE)):
+            # A client may hang up as soon as it has the stream's last event.
             self.complete = True
         await self._send(message)
 

@@ -34,6 +34,7 @@ from connector.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+SSE_DONE: Final = b"data: [DONE]\n\n"  # the last event of an OpenAI stream
 
 
 class UpstreamError(PushkvError):
@@ -326,9 +327,11 @@ class Dispatch:
                 break
             if chunk:
                 self.trace.decode_bytes()
-                tail = (tail + chunk)[-2:]
+                tail = (tail + chunk)[-len(SSE_DONE):]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 self.trace.sent(chunk, stream=True)
+                if tail == SSE_DONE:
+                    self._d_done = True  # the client has it all and may hang up now
         self._d_done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

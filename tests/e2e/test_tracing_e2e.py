@@ -180,3 +180,41 @@ def test_failed_transfer_ends_d_spans_in_error(pd: Pd) -> None:
     assert is_error(wait), f"await_kv should fail: {attrs(wait)}"
     assert attrs(wait)[Attr.REASON.value], attrs(wait)
     assert is_error(by_name[Span.REGISTER.value]), "the registration was never sent"
+
+
+def test_router_exports_over_otlp_http_to_a_receiver(pd: Pd, tmp_path: Path) -> None:
+    """A second router in front of the same P and D sends its spans over OTLP/HTTP to
+    ``pushkv collect``; the trace found there is the one P and D wrote to their files."""
+    from connector.pdstack import RouterProcess
+    from tests.collector_proc import running_collector
+
+    with running_collector(tmp_path / "collector") as c:
+        router = RouterProcess(pd.stack.prefill.url, pd.stack.decode.url, free_port(),
+                               log_path=tmp_path / "router-otlp.log",
+                               env={"OTEL_EXPORTER_OTLP_ENDPOINT": c.url,
+                                    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                                    "OTEL_SERVICE_NAME": "pushkv-router-otlp"})
+        router.start()
+        try:
+            router.wait_healthy(60.0)
+            trace_id, span_id, header = traceparent()
+            import httpx
+
+            r = httpx.post(f"{router.url}/v1/completions", timeout=120.0, trust_env=False,
+                           json=greedy_body(random_prompt(200, seed=91), max_tokens=4),
+                           headers={"traceparent": header})
+            assert r.status_code == 200, r.text
+            got = wait_for_spans(c.run_dir, {trace_id: 5})[trace_id]
+        finally:
+            router.stop()
+    names = sorted(s["name"] for s in got)
+    assert names == sorted(n.value for n in (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG,
+                                               Span.DECODE_LEG, Span.FIRST_BYTE)), names
+    assert {s["service"] for s in got} == {"pushkv-router-otlp"}
+    root = next(s for s in got if s["name"] == Span.REQUEST.value)
+    assert root["parentSpanId"] == span_id
+    engine = wait_for_spans(pd.stack.run_dir, {trace_id: len(PUSH_SPANS) - 5})[trace_id]
+    legs = {s["spanId"]: s["name"] for s in got}
+    for s in engine:
+        assert legs.get(s["parentSpanId"]) in (Span.PREFILL_LEG.value, Span.DECODE_LEG.value), \
+            f"{s['name']} in P/D's files does not hang under the OTLP router's legs"
