@@ -24,7 +24,7 @@ def source_picker(box: Any, prefix: str, default: Source) -> Source:
     url = box.text_input("Jaeger URL", default.location if default.kind == JAEGER
                          else os.environ.get(ENV_JAEGER_URL, DEFAULT_JAEGER_URL), key=f"{prefix}jaeger")
     service = box.text_input("Service", default.service, key=f"{prefix}service")
-    lookback = box.number_input("Look back (minutes)", 1, 7 * 24 * 60, int(default.lookback_min),
+    lookback = box.number_input("Look back (minutes)", 1, 10 * 366 * 24 * 60, int(default.lookback_min),
                                 key=f"{prefix}lookback")
     limit = box.number_input("At most (traces)", 1, 50_000, default.limit, key=f"{prefix}limit")
     return Source(JAEGER, url.strip(), service.strip(), float(lookback), int(limit))

@@ -1,0 +1,153 @@
+"""Every view of the dashboard through Streamlit's AppTest, on every fixture run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard.data import load_run_folder
+from telemetry.schema import Span
+from tests.fixtures.traces import HERE, run_dirs, run_ids
+from tests.fixtures.traces.jaeger_server import FakeJaeger
+
+APP = str(Path(__file__).resolve().parents[3] / "dashboard" / "app.py")
+VIEWS = ["requests", "decomposition", "compare"]
+
+
+def run_app(**query: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    for k, v in query.items():
+        at.query_params[k] = v
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def chart(at: AppTest, key: str) -> dict:
+    for el in at.get("plotly_chart"):
+        if el.proto.id.endswith(f"-{key}"):  # element ids end with the widget key
+            return json.loads(el.proto.spec)
+    raise AssertionError(f"no plotly chart {key!r} on the page")
+
+
+@pytest.mark.parametrize("run_dir", run_dirs(), ids=run_ids())
+def test_requests_view_lists_every_request_and_draws_its_waterfall(run_dir: Path) -> None:
+    at = run_app(run=str(run_dir), view="requests")
+    data = load_run_folder(run_dir)
+    table = at.dataframe[0].value
+    assert len(table) == len(data.traces)
+    assert list(table["outcome"] != "ok") == sorted(table["outcome"] != "ok", reverse=True)  # failed first
+    assert not at.error
+    trace_id = at.query_params["trace"]
+    assert trace_id == table["trace_id"].iloc[0]  # the first request needing attention is open
+    fig = chart(at, "waterfall")
+    bars = [y for tr in fig["data"] if tr["type"] == "bar" and tr["name"] != "critical path" for y in tr["y"]]
+    assert len(bars) == len(data.traces[trace_id].spans)
+    assert at.subheader[0].value.startswith("Critical path: ")
+    assert at.get("download_button"), "no Perfetto export button"
+
+
+@pytest.mark.parametrize("run_dir", run_dirs(), ids=run_ids())
+def test_decomposition_view_stacks_segments_and_lists_percentiles(run_dir: Path) -> None:
+    at = run_app(run=str(run_dir), view="decomposition")
+    data = load_run_folder(run_dir)
+    if data.segments.empty:
+        assert at.info, "a run without first tokens says so"
+        return
+    fig = chart(at, "decomp_chart")
+    segments_drawn = {tr["name"] for tr in fig["data"]}
+    assert segments_drawn == set(data.segments["segment"])
+    pct = at.dataframe[0].value
+    assert "TTFT" in list(pct.index) and {"p50", "p90", "p99"} <= set(pct.columns)
+    at.radio(key="decomp_by").set_value("load (requests in flight at arrival)").run()
+    assert not at.exception and at.query_params["by"] == "load"
+
+
+def test_compare_view_shows_both_runs() -> None:
+    at = run_app(run=str(HERE / "gen-push"), b_run=str(HERE / "gen-pull"), view="compare")
+    table = at.dataframe[0].value
+    assert {"A", "B", "B / A"} <= set(table.columns)
+    assert "TTFT p50" in list(table["ms"]) and "failed requests" in list(table["ms"])
+    assert table.loc[table["ms"] == "P prefill mean", "B"].isna().all()  # pull has no P spans
+    chart(at, "compare_ecdf")
+    chart(at, "compare_bars")
+    assert at.query_params["b_run"] == str(HERE / "gen-pull")
+
+
+def test_link_to_one_request_opens_it() -> None:
+    data = load_run_folder(HERE / "gen-push")
+    ok = data.requests[data.requests["outcome"] == "ok"].iloc[-1]
+    at = run_app(run=str(HERE / "gen-push"), trace=ok["trace_id"])
+    assert ok["request_id"] in at.subheader[0].value
+    at = run_app(run=str(HERE / "gen-push"), req=ok["request_id"])
+    assert at.query_params["trace"] == ok["trace_id"]
+    link = next(c.value for c in at.code if "trace=" in c.value)
+    assert f"trace={ok['trace_id']}" in link and "run=" in link
+
+
+def test_choosing_another_request_updates_the_link() -> None:
+    at = run_app(run=str(HERE / "gen-push"))
+    options = at.selectbox(key="trace").options
+    at.selectbox(key="trace").select_index(len(options) - 1).run()
+    assert not at.exception
+    chosen = at.selectbox(key="trace").value
+    assert at.query_params["trace"] == chosen and chosen != at.dataframe[0].value["trace_id"].iloc[0]
+
+
+def test_filters_narrow_the_table() -> None:
+    at = run_app(run=str(HERE / "gen-push"))
+    at.multiselect(key="f_outcome").set_value(["ok"]).run()
+    table = at.dataframe[0].value
+    assert len(table) and set(table["outcome"]) == {"ok"}
+    at.number_input(key="f_ttft").set_value(50.0).run()
+    table = at.dataframe[0].value
+    assert (table["ttft_ms"] >= 50).all() and len(table) < len(load_run_folder(HERE / "gen-push").traces)
+
+
+def test_failed_request_shows_its_reason() -> None:
+    at = run_app(run=str(HERE / "gen-push"))  # a failed request opens first
+    assert "write_error" in at.subheader[0].value or "cancelled" in at.subheader[0].value
+    assert any("No first token" in i.value for i in at.info)
+
+
+def test_missing_folder_is_an_error_message_not_a_crash(tmp_path: Path) -> None:
+    at = run_app(run=str(tmp_path / "nope"))
+    assert "does not exist" in at.error[0].value
+
+
+@pytest.fixture
+def jaeger() -> Iterator[FakeJaeger]:
+    server = FakeJaeger(HERE / "gen-push").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_views_read_jaeger(jaeger: FakeJaeger, view: str) -> None:
+    at = run_app(jaeger=jaeger.url, lookback="5000000", view=view, b_run=str(HERE / "gen-pull"))
+    assert not at.error, [e.value for e in at.error]
+    if view == "requests":
+        assert len(at.dataframe[0].value) == len(jaeger.spans)
+    assert any(p.startswith("/api/v3/traces?") for p in jaeger.requests)
+
+
+def test_unreachable_jaeger_is_an_error_message(jaeger: FakeJaeger) -> None:
+    url = jaeger.url
+    jaeger.stop()
+    at = run_app(jaeger=url)
+    assert "cannot reach Jaeger" in at.error[0].value
+
+
+def test_span_attributes_are_inspectable() -> None:
+    at = run_app(run=str(HERE / "gen-push-tp2"))
+    labels = at.selectbox(key="span_pick").options  # as shown: formatted
+    write = next(i for i, lab in enumerate(labels) if lab.endswith("· write"))
+    at.selectbox(key="span_pick").set_value(write).run()
+    shown = at.json[0].value
+    assert Span.WRITE.value in shown and "pushkv.bytes" in shown
