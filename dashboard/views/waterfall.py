@@ -110,6 +110,9 @@ def waterfall_figure(trace: Trace, path: CriticalPath | None) -> go.Figure:
         end_label = "TTFT" if path.ttft_ns is not None else "request ended (no first token)"
         fig.add_vline(x=path.total_ns / 1e6, line_dash="dash", line_color="#d62728",
                       annotation_text=f"{end_label} {path.total_ns / 1e6:.2f} ms")
+        # open on the TTFT window (decode runs far past it); double-click zooms out to all
+        total_ms = max(path.total_ns, 1) / 1e6
+        fig.update_xaxes(range=[-0.02 * total_ms, 1.15 * total_ms])
     fig.update_layout(
         barmode="overlay", height=120 + 26 * len(order), margin={"l": 10, "r": 10, "t": 40, "b": 40},
         xaxis_title="ms since the request reached the router",

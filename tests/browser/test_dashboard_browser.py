@@ -1,0 +1,62 @@
+"""The dashboard in a real headless Chromium: the waterfall and the decomposition render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+
+from dashboard.data import load_run_folder
+from tests.fixtures.traces import run_dirs, run_ids
+
+pytestmark = pytest.mark.browser
+WAIT_MS = 60_000
+
+
+def _open(browser, url: str, tmp_path: Path, name: str):  # type: ignore[no-untyped-def]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url, wait_until="domcontentloaded")
+    return page, errors
+
+
+@pytest.mark.parametrize("run_dir", run_dirs(), ids=run_ids())
+def test_waterfall_renders(dashboard_url: str, browser, run_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = load_run_folder(run_dir)
+    first = data.requests.iloc[0]
+    page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "req")
+    try:
+        page.get_by_text(f"Critical path: {first['request_id']}").wait_for(timeout=WAIT_MS)
+        page.locator("[data-testid='stDataFrame']").first.wait_for(timeout=WAIT_MS)
+        bars = page.locator(".js-plotly-plot .barlayer .point path")
+        bars.first.wait_for(timeout=WAIT_MS)
+        spans = len(data.traces[first["trace_id"]].spans)
+        path = data.paths[first["trace_id"]]
+        segments = len(path.segments) if path else 0
+        assert bars.count() == spans + segments, "one bar per span plus one per critical-path segment"
+        assert "trace=" + first["trace_id"] in page.url  # the link to this request is in the URL
+        page.screenshot(path=str(tmp_path / f"waterfall-{run_dir.name}.png"), full_page=True)
+        assert not errors, errors
+    finally:
+        page.close()
+
+
+@pytest.mark.parametrize("run_dir", run_dirs(), ids=run_ids())
+def test_decomposition_renders(dashboard_url: str, browser, run_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = load_run_folder(run_dir)
+    q = urlencode({"run": str(run_dir), "view": "decomposition"})
+    page, errors = _open(browser, f"{dashboard_url}/?{q}", tmp_path, "decomp")
+    try:
+        page.get_by_text("TTFT decomposition", exact=True).first.wait_for(timeout=WAIT_MS)
+        bars = page.locator(".js-plotly-plot .barlayer .point path")
+        bars.first.wait_for(timeout=WAIT_MS)
+        n_segments = data.segments["segment"].nunique()
+        assert bars.count() >= n_segments
+        legend = page.locator(".js-plotly-plot .legend .legendtext").all_text_contents()
+        assert set(data.segments["segment"]) <= {t.strip() for t in legend}
+        page.screenshot(path=str(tmp_path / f"decomposition-{run_dir.name}.png"), full_page=True)
+        assert not errors, errors
+    finally:
+        page.close()
