@@ -29,3 +29,8 @@ from importlib.metadata import version
 import nixl._api, vllm, torch  # noqa: F401  (fail the install loudly if any is missing)
 print(f"installed: vllm {version('vllm')}, torch {torch.__version__}, nixl {version('nixl')}")
 PY
+
+# The dashboard's browser tests drive Debian's chromium through Playwright (no browser download).
+if [ ! -x /usr/bin/chromium ]; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+fi
