@@ -48,6 +48,7 @@ class BenchConfig:
     description: str = ""
     # kv_connector_extra_config of both servers (e.g. bench.vllm_noprog's switches)
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+    tracing: bool = True  # spans of every process to the run folder (PdStack.tracing)
 
     @property
     def router_mode(self) -> str:
@@ -64,7 +65,12 @@ class BenchConfig:
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("push", "PushConnector",
-                description="pushkv PushConnector (router --mode push)"),
+                description="pushkv PushConnector (router --mode push), tracing on: every "
+                            "span of every request to the run folder"),
+    # The cost of tracing: the same stack with OTEL_SDK_DISABLED=true in all processes.
+    BenchConfig("push-notrace", "PushConnector",
+                description="pushkv PushConnector, tracing off (OTEL_SDK_DISABLED)",
+                tracing=False),
     BenchConfig("vllm-push", "NixlPushConnector",
                 description="vLLM NixlPushConnector, default (router --mode vllm-push)"),
     BenchConfig("vllm-pull", "NixlConnector",
@@ -131,7 +137,7 @@ def make_stack(config: BenchConfig, model: Path, run_dir: Path) -> BenchStack:
     return BenchStack(model, run_dir, connector_name=config.connector_name,
                       prefill_extra_config=dict(config.extra_config),
                       decode_extra_config=dict(config.extra_config),
-                      module_path_override=config.module_path)
+                      module_path_override=config.module_path, tracing=config.tracing)
 
 
 def busy_ports(ports: Mapping[str, int]) -> dict[str, int]:

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="the KV connector P and D run (the router mode follows)")
     demo.add_argument("--keep", action="store_true",
                       help="leave the stack running; print its URLs, PIDs and how to stop it")
-    demo.add_argument("--run-dir", help="folder for the servers' logs (default: a new temp dir)")
+    demo.add_argument("--run-dir", help="folder for the logs and traces (default: runs/demo-<time>, "
+                           "linked as runs/latest)")
     demo.add_argument("--transport", action="store_true",
                       help="the transport-only demo instead: a P and a D process pushing "
                            "synthetic KV over NIXL (loopback), no vLLM")
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("router", help="the P/D router (pushkv router --help)", add_help=False)
     sub.add_parser("bench", help="push vs vLLM's connectors under vllm bench serve "
                    "(pushkv bench --help)", add_help=False)
+    sub.add_parser("dashboard", help="the dashboard on a run folder (pushkv dashboard "
+                   "[RUN_DIR] [--port N])", add_help=False)
     sub.add_parser("collect", help="an OTLP/HTTP trace receiver writing JSON lines "
                    "(pushkv collect --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
@@ -39,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from connector.router import main as router_main
 
         return router_main(argv[1:])
+    if argv[:1] == ["dashboard"]:
+        from dashboard.launch import main as dashboard_main
+
+        return dashboard_main(argv[1:])
     if argv[:1] == ["collect"]:
         from telemetry.collector import main as collect_main
 

@@ -16,7 +16,6 @@ import json
 import math
 import random
 import statistics
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -201,7 +200,7 @@ def run_demo(workload: Workload = Workload(), keep: bool = False, run_dir: Path 
     console = Console()
     if connector_name not in CONNECTORS:
         raise ValueError(f"unknown connector {connector_name!r}; known: {sorted(CONNECTORS)}")
-    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="pushkv-demo-"))
+    run_dir = run_dir or _new_run_dir()
     model = make_tiny_model()
     stack = PdStack(model, run_dir, connector_name=connector_name)
     kept = False
@@ -229,6 +228,28 @@ def run_demo(workload: Workload = Workload(), keep: bool = False, run_dir: Path 
         if not kept:  # also on errors and Ctrl-C, even with keep
             with console.status("stopping the stack"):
                 stack.stop()
+        if any(run_dir.glob("traces-*.jsonl")):
+            console.print(f"\nEvery request's trace is in {run_dir}. Where its TTFT went:\n"
+                          f"  pushkv dashboard {run_dir}\n"
+                          f"  (or: streamlit run dashboard/app.py -- --run-dir {run_dir})")
+
+
+def _new_run_dir() -> Path:
+    """runs/demo-<time>/ under the current folder, and runs/latest pointing at it."""
+    import time
+
+    runs = Path("runs")
+    run_dir = runs / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    latest = runs / "latest"
+    try:
+        if latest.is_symlink():
+            latest.unlink()
+        if not latest.exists():
+            latest.symlink_to(run_dir.name)
+    except OSError:
+        pass  # a folder named latest, or no symlinks here: the printed path still works
+    return run_dir
 
 
 if __name__ == "__main__":

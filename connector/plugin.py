@@ -192,3 +192,8 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        # vLLM's processes may end by a re-raised signal or SIGKILL, where atexit never
+        # runs: write this process's spans out now.
+        from telemetry.setup import flush_process
+
+        flush_process()

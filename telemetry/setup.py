@@ -78,3 +78,11 @@ def process_tracer(service_name: str, *, role: str, attributes: dict[str, Any] |
                                       set_global=False)
     provider = _PROCESS[pid]
     return None if provider is None else provider.get_tracer(scope)
+
+
+def flush_process(timeout_ms: int = 5000) -> None:
+    """Write out every span of this process's provider (``process_tracer``) now. For
+    shutdown paths that end with a signal or SIGKILL, where atexit handlers never run."""
+    provider = _PROCESS.get(os.getpid())
+    if provider is not None:
+        provider.force_flush(timeout_ms)

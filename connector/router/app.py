@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -169,10 +169,13 @@ class ProxyEndpoint:
         return None
 
 
-def create_app(config: RouterConfig, tracer: Any = None) -> Starlette:
+def create_app(config: RouterConfig, tracer: Any = None,
+               on_shutdown: Callable[[], Any] | None = None) -> Starlette:
     """The router as an ASGI app. Its lifespan opens the backend clients, runs a first
     health round (and the probes) and starts the health loop; shutdown closes them.
-    ``tracer``: an OpenTelemetry tracer for the request spans; None, tracing off."""
+    ``tracer``: an OpenTelemetry tracer for the request spans; None, tracing off.
+    ``on_shutdown``: runs last at shutdown (the span flush: uvicorn ends the process by
+    re-raising the signal, so atexit handlers never run)."""
     state = RouterState(config, tracer)
 
     @contextlib.asynccontextmanager
@@ -182,6 +185,8 @@ def create_app(config: RouterConfig, tracer: Any = None) -> Starlette:
             yield
         finally:
             await state.stop()
+            if on_shutdown is not None:
+                on_shutdown()
 
     async def health(_request: Request) -> Response:
         reason = state.backends.unavailable_reason()
@@ -237,6 +242,8 @@ def main(argv: list[str]) -> int:
 
     provider = setup_tracing(Service.ROUTER.value, role="router")
     tracer = provider.get_tracer("pushkv.router") if provider is not None else None
-    uvicorn.run(create_app(config, tracer), host=config.host, port=config.port, access_log=False,
+    uvicorn.run(create_app(config, tracer,
+                           on_shutdown=provider.shutdown if provider is not None else None),
+                host=config.host, port=config.port, access_log=False,
                 log_level=config.log_level, lifespan="on")
     return 0

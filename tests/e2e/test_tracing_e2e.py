@@ -23,7 +23,7 @@ import pytest
 
 from connector.stack import free_port
 from telemetry.schema import Attr, Event, Span
-from tests.e2e.conftest import Pd
+from tests.e2e.conftest import START_TIMEOUT_S, Pd
 from tests.e2e.test_push_e2e import decode_leg, greedy_body, random_prompt, stream_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -204,9 +204,9 @@ def test_router_exports_over_otlp_http_to_a_receiver(pd: Pd, tmp_path: Path) -> 
                            json=greedy_body(random_prompt(200, seed=91), max_tokens=4),
                            headers={"traceparent": header})
             assert r.status_code == 200, r.text
-            got = wait_for_spans(c.run_dir, {trace_id: 5})[trace_id]
         finally:
-            router.stop()
+            router.stop()  # at once: its spans must be flushed on the way out
+        got = wait_for_spans(c.run_dir, {trace_id: 5})[trace_id]
     names = sorted(s["name"] for s in got)
     assert names == sorted(n.value for n in (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG,
                                                Span.DECODE_LEG, Span.FIRST_BYTE)), names
@@ -218,3 +218,29 @@ def test_router_exports_over_otlp_http_to_a_receiver(pd: Pd, tmp_path: Path) -> 
     for s in engine:
         assert legs.get(s["parentSpanId"]) in (Span.PREFILL_LEG.value, Span.DECODE_LEG.value), \
             f"{s['name']} in P/D's files does not hang under the OTLP router's legs"
+
+
+def test_spans_are_written_when_the_stack_stops_right_after(tiny_model: Path,
+                                                           tmp_path: Path) -> None:
+    """Stop P, D and the router the moment the answers are in: every span is in the files
+    (vLLM's processes and uvicorn end by signals, where atexit handlers never run)."""
+    from connector.pdstack import PdStack
+
+    import httpx
+
+    stack = PdStack(tiny_model, tmp_path / "stack")
+    sent: dict[str, tuple[str, str]] = {}
+    stack.start(START_TIMEOUT_S)
+    try:
+        for i in range(3):
+            trace_id, span_id, header = traceparent()
+            r = httpx.post(f"{stack.url}/v1/completions", timeout=120.0, trust_env=False,
+                           headers={"traceparent": header},
+                           json=greedy_body(random_prompt(100, seed=300 + i), max_tokens=4))
+            assert r.status_code == 200, r.text
+            sent[trace_id] = (span_id, f"request {i}")
+    finally:
+        stack.stop()
+    got = read_spans(stack.run_dir, set(sent))  # no waiting: everything is stopped
+    for trace_id, (span_id, what) in sent.items():
+        check_push_trace(got.get(trace_id, []), span_id, what)
