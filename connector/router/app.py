@@ -127,7 +127,10 @@ class ProxyEndpoint:
         finally:
             if exchange.disconnected:
                 error = "cancelled"  # the client left before the answer was complete
-            trace.end(exchange.status, error)
+            try:
+                trace.end(exchange.status, error)
+            except Exception:  # telemetry must never break serving
+                logger.exception("Ending the request's spans failed")
 
     async def _answer(self, scope: Scope, receive: Receive, request: Request,
                       trace: RequestTrace, exchange: _Exchange) -> str | None:

@@ -43,9 +43,11 @@ class RequestTrace:
         self.token_events = 0
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        self._start_ns = time.time_ns()
         if tracer is not None:
             self._root = tracer.start_span(
                 Span.REQUEST.value, context=parent_context(incoming), kind=SpanKind.SERVER,
+                start_time=self._start_ns,
                 attributes={Attr.MODE.value: mode, Attr.ENDPOINT.value: endpoint})
 
     @property
@@ -153,7 +155,7 @@ class RequestTrace:
         if status is not None:
             attrs[Attr.HTTP_STATUS.value] = status
         if self.first_chunk_ns:
-            attrs[Attr.TTFT_MS.value] = (self.first_chunk_ns - root.start_time) / 1e6
+            attrs[Attr.TTFT_MS.value] = (self.first_chunk_ns - self._start_ns) / 1e6
         tokens = self.completion_tokens or self.token_events
         if tokens > 1 and self.last_chunk_ns > self.first_chunk_ns:
             attrs[Attr.TPOT_MS.value] = (self.last_chunk_ns - self.first_chunk_ns) / 1e6 / (tokens - 1)

@@ -133,3 +133,23 @@ def test_tracing_off_is_the_default_and_emits_nothing() -> None:
     pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2),), 32), pair.now)
     pair.pump()
     assert [r.ok for r in pair.receiver.finished] == [True]
+
+
+def test_unsampled_parent_records_nothing_so_no_trace_is_half_sampled() -> None:
+    """The router decided not to sample (flags 00): P's and D's spans follow it."""
+    pair, rec = traced_pair()
+    unsampled = m.TraceContext(P_TRACE.traceparent[:-2] + "00")
+    d_unsampled = m.TraceContext(D_TRACE.traceparent[:-2] + "00")
+    from connector.loopback import expected_event
+    from connector.spans import RegisterNote
+
+    e = expected_event("t", [pair.p_spec], pair.d_spec, (4, 5), 32)
+    pair.receiver.on_event(ev.Expected(e.transfer_id, e.request_id, e.sources, e.block_ids,
+                                       e.first_token, e.num_tokens, d_unsampled), pair.now,
+                           note=RegisterNote(d_unsampled, time.time_ns()))
+    now = time.time_ns()
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2),), 32), pair.now, None,
+                         PrefillNote(unsampled, now - 10, now - 5, now, 32))
+    pair.pump()
+    assert [r.ok for r in pair.receiver.finished] == [True]
+    assert rec.spans() == []

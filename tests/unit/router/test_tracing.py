@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
@@ -120,3 +121,17 @@ def test_token_events_split_across_chunks_count_once() -> None:
     assert trace.token_events == 5
     trace.end(200)
     assert rec.one(Span.REQUEST).attributes[Attr.OUTPUT_TOKENS.value] == 5
+
+
+async def test_unsampled_request_tells_both_legs_not_to_sample(
+        cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    rec = Recorder(sampler=ALWAYS_OFF)
+    c = await cluster(tracer=rec.tracer)
+    assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+    assert rec.spans() == []
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    for seen in (c.p[0].requests[0], c.d[0].requests[0]):
+        assert int(seen.headers["traceparent"][-2:], 16) & 1 == 0, seen.headers["traceparent"]
+        assert seen.body["kv_transfer_params"]["traceparent"] == seen.headers["traceparent"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -10,9 +12,9 @@ from telemetry.schema import Span
 
 
 class Recorder:
-    def __init__(self) -> None:
+    def __init__(self, sampler: Any = None) -> None:
         self.exporter = InMemorySpanExporter()
-        self.provider = TracerProvider()
+        self.provider = TracerProvider(sampler=sampler)
         self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.tracer = self.provider.get_tracer("test")
 
