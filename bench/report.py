@@ -32,6 +32,10 @@ TARGET_VS_DEFAULT = 1.3
 TARGET_DEFAULT_CONFIG = "vllm-push"
 TARGET_NO_WORSE_CONFIGS = ("vllm-push-noprog", "vllm-pull-noprog")
 TARGET_KEYS = ("median_ttft_ms", "mean_tpot_ms")
+# Tracing's cost: push (spans on, 100 % sampled) against the same stack with tracing off.
+TRACING_OFF_CONFIG = "push-notrace"
+TRACING_BUDGET = 0.03  # throughput and median TTFT within 3 %
+TRACING_KEYS = ("request_throughput", "median_ttft_ms")
 
 
 @dataclass
@@ -138,6 +142,32 @@ def target_verdicts(results: Sequence[LevelResult]) -> list[str]:
     return lines
 
 
+def tracing_verdicts(results: Sequence[LevelResult]) -> list[str]:
+    """One line per concurrency where both push and push-notrace ran: tracing's cost."""
+    table, lines = _by_key(results), []
+    for conc in sorted({r.concurrency for r in results}):
+        on, off = table.get((BASELINE, conc)), table.get((TRACING_OFF_CONFIG, conc))
+        if on is None or off is None:
+            continue
+        if not (on.ok and off.ok):
+            lines.append(f"c={conc}: not evaluated ({on.reason or off.reason})")
+            continue
+        parts, met = [], True
+        for key in TRACING_KEYS:
+            a, b = on.metrics.get(key), off.metrics.get(key)
+            if a is None or b is None or b == 0:
+                parts.append(f"{key}: n/a")
+                met = False
+                continue
+            cost = (b - a) / b if key == "request_throughput" else (a - b) / b
+            ok = cost <= TRACING_BUDGET
+            met &= ok
+            parts.append(f"{key} on {a:.2f} / off {b:.2f} (cost {cost:+.1%}) "
+                         f"{'ok' if ok else 'OVER'}")
+        lines.append(f"c={conc}: {'MET' if met else 'NOT MET'}: " + "; ".join(parts))
+    return lines
+
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -191,6 +221,10 @@ def markdown_report(results: Sequence[LevelResult], preamble: str = "") -> str:
     parts += ["## Results", _markdown(*result_rows(results)), "",
               ratio_title, _markdown(*ratio_rows(results)), "",
               target_title, *(f"- {line}" for line in target_verdicts(results))]
+    if tracing := tracing_verdicts(results):
+        parts += ["", f"## Tracing cost ({BASELINE}, every request traced, vs "
+                      f"{TRACING_OFF_CONFIG}; budget {TRACING_BUDGET:.0%} on throughput and "
+                      "median TTFT)", *(f"- {line}" for line in tracing)]
     return "\n".join(parts) + "\n"
 
 

@@ -36,7 +36,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.report import LevelResult, markdown_report, print_rich, ratios, target_verdicts
+from bench.report import (
+    LevelResult,
+    markdown_report,
+    print_rich,
+    ratios,
+    target_verdicts,
+    tracing_verdicts,
+)
 from bench.stacks import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -352,7 +359,8 @@ def _write_json(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResu
                 duration_s: float) -> None:
     data = {**meta, "duration_s": round(duration_s, 1),
             "results": [r.to_json() for r in results],
-            "ratios": ratios(results), "target": target_verdicts(results)}
+            "ratios": ratios(results), "target": target_verdicts(results),
+            "tracing": tracing_verdicts(results)}
     (run_dir / "results.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
