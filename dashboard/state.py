@@ -111,9 +111,11 @@ def trace_export(run: RunData, trace_id: str) -> str:
 
 
 def known_runs(current: str) -> list[str]:
-    """Run folders to offer: the current one, then those found under ``runs/``."""
+    """Run folders to offer: the current one, its siblings (a sweep's other configurations
+    sit next to it), then those found under ``runs/``."""
     out = [current]
-    for p in find_runs("runs"):
+    siblings = find_runs(Path(current).parent, max_depth=1) if Path(current).parent.is_dir() else []
+    for p in [*siblings, *find_runs("runs")]:
         if str(p) not in out:
             out.append(str(p))
     return out

@@ -29,7 +29,14 @@ def _summary(run: RunData) -> None:
             st.code("\n".join(run.problems[:50]))
 
 
-def _filters(df: pd.DataFrame) -> pd.DataFrame:
+FILTER_KEYS = ("f_outcome", "f_mode", "f_ttft", "f_text")
+
+
+def _filters(df: pd.DataFrame, label: str) -> pd.DataFrame:
+    if st.session_state.get("_filters_for") != label:  # another source: its own outcomes/modes
+        for k in FILTER_KEYS:
+            st.session_state.pop(k, None)
+        st.session_state["_filters_for"] = label
     c1, c2, c3, c4 = st.columns([2, 2, 1, 2])
     outcomes = sorted(df["outcome"].unique())
     modes = sorted(df["mode"].unique())
@@ -93,6 +100,8 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
         c2.markdown("\n".join(f"- {e}" for e in extra))
     with st.expander("Span attributes"):
         labels = row_labels(trace)
+        if st.session_state.get("span_pick", 0) >= len(labels):  # kept from a larger trace
+            st.session_state["span_pick"] = 0
         pick = st.selectbox("Span", range(len(labels)), format_func=lambda i: labels[i][0], key="span_pick")
         sp = labels[pick][1]
         st.json({"name": sp.name, "span_id": sp.span_id, "parent_span_id": sp.parent_span_id,
@@ -111,7 +120,7 @@ def render(run: RunData, params: dict[str, str]) -> None:
     if run.requests.empty:
         st.info("No requests in this source.")
         return
-    shown = _filters(run.requests)
+    shown = _filters(run.requests, run.label)
     st.caption(f"{len(shown)} of {len(run.requests)} requests · failed and slowest first · "
                "click a column to sort, a row to open it")
     event = st.dataframe(

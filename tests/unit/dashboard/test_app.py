@@ -151,3 +151,15 @@ def test_span_attributes_are_inspectable() -> None:
     at.selectbox(key="span_pick").set_value(write).run()
     shown = at.json[0].value
     assert Span.WRITE.value in shown and "pushkv.bytes" in shown
+
+
+def test_switching_the_source_resets_filters_and_selection() -> None:
+    at = run_app(run=str(HERE / "gen-push-tp2"))
+    at.multiselect(key="f_outcome").set_value(["ok"]).run()
+    at.selectbox(key="span_pick").set_value(len(at.selectbox(key="span_pick").options) - 1).run()
+    assert str(HERE / "gen-pull") in at.selectbox(key="run").options  # sibling runs are offered
+    at.selectbox(key="run").set_value(str(HERE / "gen-pull")).run()
+    assert not at.exception and not at.error
+    pull = load_run_folder(HERE / "gen-pull")
+    assert len(at.dataframe[0].value) == len(pull.traces)
+    assert at.query_params["run"] == str(HERE / "gen-pull") and at.query_params["trace"] in pull.traces
