@@ -60,3 +60,22 @@ def test_decomposition_renders(dashboard_url: str, browser, run_dir: Path, tmp_p
         assert not errors, errors
     finally:
         page.close()
+
+
+def test_clicking_a_row_opens_that_request(dashboard_url: str, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    run_dir = next(d for d in run_dirs() if len(load_run_folder(d).traces) >= 2)
+    data = load_run_folder(run_dir)
+    second = data.requests.iloc[1]
+    page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "click")
+    try:
+        page.get_by_text(f"Critical path: {data.requests.iloc[0]['request_id']}").wait_for(timeout=WAIT_MS)
+        grid = page.locator("[data-testid='stDataFrame']").first
+        box = grid.bounding_box()
+        assert box is not None
+        # the grid is a canvas: click the selection cell of the second data row (35 px rows)
+        page.mouse.click(box["x"] + 15, box["y"] + 35 + 35 + 17)
+        page.get_by_text(f"Critical path: {second['request_id']}").wait_for(timeout=WAIT_MS)
+        page.wait_for_url(f"**trace={second['trace_id']}**", timeout=WAIT_MS)
+        assert not errors, errors
+    finally:
+        page.close()
