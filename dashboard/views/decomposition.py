@@ -29,8 +29,8 @@ def render(run: RunData, params: dict[str, str]) -> None:
     fig.update_layout(barmode="stack", legend={"orientation": "h", "y": -0.25})
     st.plotly_chart(fig, key="decomp_chart")
     st.markdown("**Percentiles (ms)**")
-    st.dataframe(percentiles(run).style.format("{:.3f}", subset=["p50", "p90", "p99", "mean"]),
-                 key="decomp_percentiles")
+    st.dataframe(percentiles(run).style.format("{:.3f}", subset=["p50", "p90", "p99", "mean"])
+                 .format("{:.0f}", subset=["requests"]), key="decomp_percentiles")
     box = px.box(run.segments, x="segment", y="ms", color="segment", color_discrete_map=COLOR_MAP,
                  points=False)
     box.update_layout(showlegend=False, yaxis_type="log", yaxis_title="ms (log)")
