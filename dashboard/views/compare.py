@@ -57,8 +57,9 @@ def render(run: RunData, params: dict[str, str]) -> None:
         st.error(f"B: {e}")
         return
     right.markdown(f"**B:** `{other.label}` ({len(other.requests)} requests)")
-    st.dataframe(table(run, other).style.format("{:.3f}", subset=["A", "B", "B / A"], na_rep="-"),
-                 hide_index=True, key="compare_table")
+    rows = table(run, other)
+    st.dataframe(rows.style.format("{:.3f}", subset=["A", "B", "B / A"], na_rep="-"),
+                 hide_index=True, key="compare_table", height=35 * (len(rows) + 1) + 3)
     a_name, b_name = f"A: {_short(run.label)}", f"B: {_short(other.label)}"
     ttft = pd.concat([run.requests.assign(run=a_name), other.requests.assign(run=b_name)])
     ttft = ttft.dropna(subset=["ttft_ms"])

@@ -15,10 +15,14 @@ import plotly.graph_objects as go
 
 from telemetry.critical_path import CriticalPath, Seg
 from telemetry.otlp_json import SpanRecord, Trace
+from telemetry.schema import Resource
 from telemetry.traces import instance_label
 
 PATH_ROW = "TTFT critical path"
-INSTANCE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#9D755D"]
+# the same role keeps its colour in every trace (P ranks and several Ds take the next shade)
+ROLE_COLORS = {"router": ["#4C78A8", "#72B7B2"], "prefill": ["#F58518", "#E45756", "#9D755D", "#FF9DA6"],
+               "decode": ["#54A24B", "#88D27A", "#B279A2"]}
+OTHER_COLORS = ["#7F7F7F", "#BAB0AC", "#B279A2"]
 SEGMENT_COLORS = {
     Seg.ROUTER: "#9ecae9", Seg.P_QUEUE: "#ffbf79", Seg.P_PREFILL: "#f58518",
     Seg.RENDEZVOUS: "#e45756", Seg.DESCRIPTORS: "#b279a2", Seg.WRITE: "#d62728",
@@ -63,9 +67,14 @@ def waterfall_figure(trace: Trace, path: CriticalPath | None) -> go.Figure:
     rows = row_labels(trace)
     fig = go.Figure()
     colors: dict[str, str] = {}
-    for label, sp in rows:
+    used: dict[str, int] = {}
+    for _, sp in rows:
         inst = instance_label(sp)
-        colors.setdefault(inst, INSTANCE_COLORS[len(colors) % len(INSTANCE_COLORS)])
+        if inst not in colors:
+            role = str(sp.resource.get(Resource.ROLE.value, ""))
+            palette = ROLE_COLORS.get(role, OTHER_COLORS)
+            colors[inst] = palette[used.get(role, 0) % len(palette)]
+            used[role] = used.get(role, 0) + 1
     for inst, color in colors.items():
         mine = [(label, sp) for label, sp in rows if instance_label(sp) == inst]
         on_path = [sp.span_id in critical for _, sp in mine]
