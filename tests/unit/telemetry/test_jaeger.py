@@ -49,6 +49,7 @@ def test_find_traces_returns_what_the_files_hold(jaeger: FakeJaeger) -> None:
     params = _find_params(jaeger)[0]
     assert params["query.service_name"] == Service.ROUTER.value
     assert params["query.start_time_min"].endswith("Z") and params["query.start_time_max"].endswith("Z")
+    assert params["query.raw_traces"] == "true"  # Jaeger must not shift spans to "fix" skew
 
 
 @pytest.mark.parametrize("run_dir", run_dirs(), ids=run_ids())
