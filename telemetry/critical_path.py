@@ -270,7 +270,7 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
                    end_ns, req, ends_span=first_chunk is None)
     start = Boundary("request.start", req.start_ns, req, False)
     segments = _segments(names, start, [*bounds, end], anomalies)
-    rdv = trace.first(Span.RENDEZVOUS_WAIT.value)
+    rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)  # the critical rank's
     first = rdv.attr(Attr.FIRST_ARRIVED.value) if rdv else None
     return CriticalPath(
         trace_id=trace.trace_id, model=model, mode=mode, start_ns=req.start_ns,
