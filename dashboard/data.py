@@ -35,6 +35,7 @@ class RunData:
     requests: pd.DataFrame  # one row per trace, attention order, columns COLUMNS
     segments: pd.DataFrame  # long: trace_id, segment, ms (requests with a TTFT only)
     problems: tuple[str, ...]
+    not_requests: int = 0  # traces without a router request span (probes, stray spans): not listed
 
 
 def _num(v: object) -> float | None:
@@ -109,8 +110,13 @@ def _flags(df: pd.DataFrame) -> pd.Series:
     return pd.Series(flags, index=df.index, dtype="object")
 
 
+def is_request(t: Trace) -> bool:
+    return t.first(Span.REQUEST.value) is not None
+
+
 def request_frame(traces: list[Trace], paths: dict[str, CriticalPath | None]) -> pd.DataFrame:
-    rows = [_row(t, paths.get(t.trace_id)) for t in traces]
+    """One row per request (a trace with the router's request span)."""
+    rows = [_row(t, paths.get(t.trace_id)) for t in traces if is_request(t)]
     df = pd.DataFrame(rows, columns=[*COLUMNS[1:], "anomalies", "start_ns", "end_ns"])
     if df.empty:
         return pd.DataFrame(columns=COLUMNS)
@@ -133,7 +139,7 @@ def segment_frame(paths: dict[str, CriticalPath | None]) -> pd.DataFrame:
 def analyse(label: str, traces: list[Trace], problems: tuple[str, ...] = ()) -> RunData:
     paths = {t.trace_id: critical_path(t) for t in traces}
     return RunData(label, {t.trace_id: t for t in traces}, paths, request_frame(traces, paths),
-                   segment_frame(paths), problems)
+                   segment_frame(paths), problems, sum(1 for t in traces if not is_request(t)))
 
 
 def load_run_folder(folder: str | Path) -> RunData:

@@ -24,6 +24,9 @@ def _summary(run: RunData) -> None:
     cols[2].metric("TTFT p50 (ms)", f"{ok['ttft_ms'].median():.2f}" if len(ok) else "-")
     cols[3].metric("TTFT p99 (ms)", f"{ok['ttft_ms'].quantile(0.99):.2f}" if len(ok) else "-")
     cols[4].metric("TPOT mean (ms)", f"{ok['tpot_ms'].mean():.2f}" if ok["tpot_ms"].notna().any() else "-")
+    if run.not_requests:
+        st.caption(f"{run.not_requests} trace(s) without a router request span (probes, stray "
+                   "spans) are not requests and are not listed; the run export includes them.")
     if run.problems:
         with st.expander(f"{len(run.problems)} unreadable line(s) skipped"):
             st.code("\n".join(run.problems[:50]))
@@ -56,7 +59,7 @@ def _filters(df: pd.DataFrame, label: str) -> pd.DataFrame:
 def _initial_trace(run: RunData, options: list[str]) -> str:
     """From the link (``trace=`` or ``req=``), else the first request needing attention."""
     q = st.query_params
-    if q.get(TRACE_KEY) in run.traces:
+    if q.get(TRACE_KEY) in options:
         return str(q[TRACE_KEY])
     if q.get("req"):
         hit = run.requests.loc[run.requests["request_id"] == q["req"], "trace_id"]
@@ -136,7 +139,7 @@ def render(run: RunData, params: dict[str, str]) -> None:
         if st.session_state.get("_picked_row") != picked:  # a new click wins over the box
             st.session_state["_picked_row"] = picked
             st.session_state[TRACE_KEY] = picked
-    if st.session_state.get(TRACE_KEY) not in run.traces:
+    if st.session_state.get(TRACE_KEY) not in options:
         st.session_state[TRACE_KEY] = _initial_trace(run, options)
     labels = run.requests.set_index("trace_id")[["request_id", "ttft_ms", "outcome"]].to_dict("index")
 

@@ -63,7 +63,7 @@ def test_decomposition_renders(dashboard_url: str, browser, run_dir: Path, tmp_p
 
 
 def test_clicking_a_row_opens_that_request(dashboard_url: str, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    run_dir = next(d for d in run_dirs() if len(load_run_folder(d).traces) >= 2)
+    run_dir = next(d for d in run_dirs() if len(load_run_folder(d).requests) >= 2)
     data = load_run_folder(run_dir)
     second = data.requests.iloc[1]
     page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "click")

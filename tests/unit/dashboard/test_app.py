@@ -39,7 +39,7 @@ def test_requests_view_lists_every_request_and_draws_its_waterfall(run_dir: Path
     at = run_app(run=str(run_dir), view="requests")
     data = load_run_folder(run_dir)
     table = at.dataframe[0].value
-    assert len(table) == len(data.traces)
+    assert len(table) == len(data.traces) - data.not_requests
     assert list(table["outcome"] != "ok") == sorted(table["outcome"] != "ok", reverse=True)  # failed first
     assert not at.error
     trace_id = at.query_params["trace"]
@@ -105,7 +105,7 @@ def test_filters_narrow_the_table() -> None:
     assert len(table) and set(table["outcome"]) == {"ok"}
     at.number_input(key="f_ttft").set_value(50.0).run()
     table = at.dataframe[0].value
-    assert (table["ttft_ms"] >= 50).all() and len(table) < len(load_run_folder(HERE / "gen-push").traces)
+    assert (table["ttft_ms"] >= 50).all() and len(table) < len(load_run_folder(HERE / "gen-push").requests)
 
 
 def test_failed_request_shows_its_reason() -> None:
@@ -161,5 +161,5 @@ def test_switching_the_source_resets_filters_and_selection() -> None:
     at.selectbox(key="run").set_value(str(HERE / "gen-pull")).run()
     assert not at.exception and not at.error
     pull = load_run_folder(HERE / "gen-pull")
-    assert len(at.dataframe[0].value) == len(pull.traces)
+    assert len(at.dataframe[0].value) == len(pull.requests)
     assert at.query_params["run"] == str(HERE / "gen-pull") and at.query_params["trace"] in pull.traces

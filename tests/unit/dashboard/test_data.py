@@ -20,7 +20,8 @@ from tests.fixtures.traces import HERE, run_dirs, run_ids
 def test_request_table_has_one_row_per_trace_failed_first(run_dir: Path) -> None:
     run = load_run_folder(run_dir)
     df = run.requests
-    assert list(df.columns) == COLUMNS and len(df) == len(run.traces)
+    assert list(df.columns) == COLUMNS and len(df) == len(run.traces) - run.not_requests
+    assert set(df["trace_id"]) == {tid for tid, t in run.traces.items() if t.first(Span.REQUEST.value)}
     failed = (df["outcome"] != OK).tolist()
     assert failed == sorted(failed, reverse=True)
     ok = df[df["outcome"] == OK]
@@ -84,3 +85,22 @@ def test_percentiles_are_ordered(run_dir: Path) -> None:
     p = percentiles(load_run_folder(run_dir))
     assert "TTFT" in p.index
     assert (p["p50"] <= p["p90"] + 1e-9).all() and (p["p90"] <= p["p99"] + 1e-9).all()
+
+
+def test_traces_without_a_request_span_are_counted_not_listed(tmp_path: Path) -> None:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from telemetry.exporters import JsonLinesSpanExporter
+
+    for f in (HERE / "gen-push").glob("traces-*.jsonl"):
+        (tmp_path / f.name).write_text(f.read_text())
+    provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-prefill"}))
+    provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(tmp_path / "traces-pushkv-prefill-9.jsonl")))
+    provider.get_tracer("t").start_span(Span.PREFILL.value).end()  # e.g. the router's start-up probe
+    provider.shutdown()
+    run = load_run_folder(tmp_path)
+    assert run.not_requests == 1 and len(run.requests) == len(run.traces) - 1
+    orphan = next(tid for tid, t in run.traces.items() if t.first(Span.REQUEST.value) is None)
+    assert orphan not in set(run.requests["trace_id"]) and run.paths[orphan] is None

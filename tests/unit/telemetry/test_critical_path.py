@@ -14,7 +14,8 @@ from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
 from tests.fixtures.traces import HERE, run_dirs, run_ids
 
-ALL = [(d, t) for d in run_dirs() for t in read_run(d).traces]
+# requests: traces with the router's request span (a real run may also hold probes' traces)
+ALL = [(d, t) for d in run_dirs() for t in read_run(d).traces if t.first(Span.REQUEST.value)]
 # successful push requests: every boundary should have been observed
 OK_PUSH = [(d, t) for d, t in ALL
            if (p := critical_path(t)) is not None and p.model == "push" and p.ttft_ns is not None]
