@@ -62,7 +62,8 @@ def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
         prompt = _num(prefill.attr(Attr.PROMPT_TOKENS.value)) if prefill else None
     outcome = a.get(Attr.OUTCOME.value)
     if outcome is None:
-        outcome = "incomplete" if req is None else "error" if req.is_error else OK if chunk else "no first token"
+        outcome = ("incomplete" if req is None else "error" if req.is_error
+                   else OK if chunk else "no first token")
     errors = [sp for sp in t.spans if sp.is_error]
     reason = (req.attr(Attr.REASON.value) if req and req.is_error else None) or next(
         (sp.attr(Attr.REASON.value) or sp.status_message for sp in errors), None)

@@ -8,7 +8,8 @@ Jaeger's search has no cursor: ``query.start_time_min``/``max`` are required and
 ``query.search_depth`` caps the traces of one answer, newest first. ``find_traces`` pages by
 narrowing the window: when a page comes back full, the next asks for traces that started no
 later than the oldest one seen (inclusive, so traces sharing that instant are not lost; the
-page is made larger by the traces it will repeat, which are kept once), until a page adds nothing or ``limit`` is reached.
+page is made larger by the traces it will repeat, which are kept once), until a page adds
+nothing or ``limit`` is reached.
 Not found is HTTP 404 with ``{"error": {"httpCode": 404, "message": "No traces found"}}``:
 that is an empty answer, not an error. Anything else that goes wrong raises ``JaegerError``
 with the URL and what Jaeger said.

@@ -44,7 +44,8 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)  # polling interval of a bounded wait, not synchronisation by sleep
-    raise AssertionError(f"streamlit not healthy at {url} within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"streamlit not healthy at {url} within {START_TIMEOUT_S} s:\n"
+                         f"{log.read_text()[-3000:]}")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -8,8 +8,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dashboard.data import (COLUMNS, OK, analyse, attention_order, decomposition, in_flight_at_arrival,
-                            load_run_folder, percentiles, pow2_bucket)
+from dashboard.data import (
+    COLUMNS,
+    OK,
+    analyse,
+    attention_order,
+    decomposition,
+    in_flight_at_arrival,
+    load_run_folder,
+    percentiles,
+    pow2_bucket,
+)
 from telemetry.otlp_json import Trace
 from telemetry.schema import Attr, Span
 from telemetry.traces import read_run
@@ -97,7 +106,8 @@ def test_traces_without_a_request_span_are_counted_not_listed(tmp_path: Path) ->
     for f in (HERE / "gen-push").glob("traces-*.jsonl"):
         (tmp_path / f.name).write_text(f.read_text())
     provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-prefill"}))
-    provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(tmp_path / "traces-pushkv-prefill-9.jsonl")))
+    exporter = JsonLinesSpanExporter(tmp_path / "traces-pushkv-prefill-9.jsonl")
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     provider.get_tracer("t").start_span(Span.PREFILL.value).end()  # e.g. the router's start-up probe
     provider.shutdown()
     run = load_run_folder(tmp_path)

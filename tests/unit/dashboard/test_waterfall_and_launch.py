@@ -27,8 +27,8 @@ def test_waterfall_has_a_row_per_span_and_highlights_the_path(run_dir: Path) -> 
         assert sorted(ids) == sorted(sp.span_id for sp in t.spans)
         rows = [y for tr in span_bars for y in tr["y"]]
         assert len(set(rows)) == len(rows), "one row per span"
-        opaque = {i for tr in span_bars for i, o in zip(tr["customdata"], tr["marker"]["opacity"], strict=True)
-                  if o == 1.0}
+        opaque = {i for tr in span_bars
+                  for i, o in zip(tr["customdata"], tr["marker"]["opacity"], strict=True) if o == 1.0}
         assert path is not None and opaque == path.span_ids & {sp.span_id for sp in t.spans}
         (crit,) = [tr for tr in fig["data"] if tr["name"] == "critical path"]
         assert set(crit["y"]) == {PATH_ROW} and len(crit["x"]) == len(path.segments)

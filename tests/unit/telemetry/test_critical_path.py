@@ -12,7 +12,7 @@ from telemetry.critical_path import PUSH_SEGMENTS, ROUTER_SEGMENTS, CriticalPath
 from telemetry.otlp_json import SpanEvent, SpanRecord, Trace
 from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
-from tests.fixtures.traces import HERE, run_dirs, run_ids
+from tests.fixtures.traces import HERE, run_dirs
 
 # requests: traces with the router's request span (a real run may also hold probes' traces)
 ALL = [(d, t) for d in run_dirs() for t in read_run(d).traces if t.first(Span.REQUEST.value)]
@@ -39,7 +39,7 @@ def test_segments_are_consecutive_and_sum_to_ttft(run_dir: Path, trace: Trace) -
     assert req is not None
     segs = path.segments
     assert segs[0].start_ns == req.start_ns
-    assert all(a.end_ns == b.start_ns for a, b in zip(segs, segs[1:]))
+    assert all(a.end_ns == b.start_ns for a, b in zip(segs, segs[1:], strict=False))
     assert sum(s.duration_ns for s in segs) == path.total_ns
     chunk = req.event(Event.FIRST_CHUNK.value)
     if chunk is None:
@@ -78,7 +78,8 @@ def test_tp2_uses_the_rank_whose_write_ends_last() -> None:
         path = _path(t)
         last = max(t.named(Span.WRITE.value), key=lambda w: w.end_ns)
         assert path.critical_tp_rank == last.attr(Attr.TP_RANK.value)
-        prefill = next(p for p in t.named(Span.PREFILL.value) if p.attr(Attr.TP_RANK.value) == path.critical_tp_rank)
+        prefill = next(p for p in t.named(Span.PREFILL.value)
+                       if p.attr(Attr.TP_RANK.value) == path.critical_tp_rank)
         assert next(s for s in path.segments if s.name is Seg.P_PREFILL).end_ns == prefill.end_ns
         seen_ranks.add(path.critical_tp_rank)
         assert any(m.label.startswith("write.end (tp_rank") for m in path.marks)
@@ -196,7 +197,8 @@ def _span(name: Span, start: int, end: int, **kw: object) -> SpanRecord:
 
 
 def test_request_without_any_child_is_one_unknown_segment() -> None:
-    t = Trace("1" * 32, (_span(Span.REQUEST, 100, 900, events=(SpanEvent(Event.FIRST_CHUNK.value, 700, {}),)),))
+    chunk = SpanEvent(Event.FIRST_CHUNK.value, 700, {})
+    t = Trace("1" * 32, (_span(Span.REQUEST, 100, 900, events=(chunk,)),))
     path = _path(t)
     assert path.model == "router" and path.ttft_ns == 600
     assert [s.name for s in path.segments] == [Seg.UNKNOWN] and path.segments[0].covers == ROUTER_SEGMENTS

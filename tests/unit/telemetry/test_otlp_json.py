@@ -10,10 +10,17 @@ import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.trace import SpanKind, StatusCode as OtelStatus
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace import StatusCode as OtelStatus
 
 from telemetry.exporters import JsonLinesSpanExporter
-from telemetry.otlp_json import OtlpFormatError, StatusCode, any_value, group_traces, parse_traces_data
+from telemetry.otlp_json import (
+    OtlpFormatError,
+    StatusCode,
+    any_value,
+    group_traces,
+    parse_traces_data,
+)
 from telemetry.schema import Attr, Event, Span
 from telemetry.traces import RunFolderError, find_runs, fingerprint, read_run
 from tests.fixtures.traces import run_dirs, run_ids
