@@ -202,3 +202,28 @@ def test_request_without_any_child_is_one_unknown_segment() -> None:
     path = _path(t)
     assert path.model == "router" and path.ttft_ns == 600
     assert [s.name for s in path.segments] == [Seg.UNKNOWN] and path.segments[0].covers == ROUTER_SEGMENTS
+
+
+# the tree of telemetry/schema.py: a span's parent (P's transfer spans hang under the decode
+# leg, or under P's leg when no registration carried D's context)
+PARENTS = {Span.ROUTE: {Span.REQUEST}, Span.PREFILL_LEG: {Span.REQUEST}, Span.DECODE_LEG: {Span.REQUEST},
+           Span.FIRST_BYTE: {Span.DECODE_LEG}, Span.REGISTER: {Span.DECODE_LEG},
+           Span.AWAIT_KV: {Span.DECODE_LEG}, Span.FIRST_TOKEN: {Span.DECODE_LEG},
+           Span.PREFILL: {Span.PREFILL_LEG},
+           **{s: {Span.DECODE_LEG, Span.PREFILL_LEG}
+              for s in (Span.RENDEZVOUS_WAIT, Span.PREPARE_DESCRIPTORS, Span.WRITE)}}
+
+
+@pytest.mark.parametrize("run_dir, trace", ALL, ids=[f"{d.name}-{t.trace_id[:8]}" for d, t in ALL])
+def test_runs_follow_the_schema_tree(run_dir: Path, trace: Trace) -> None:
+    by_id = {sp.span_id: sp for sp in trace.spans}
+    for sp in trace.spans:
+        try:
+            name = Span(sp.name)
+        except ValueError:
+            continue  # not one of pushkv's spans
+        if name is Span.REQUEST:
+            continue  # its parent, if any, is the client's
+        parent = by_id.get(sp.parent_span_id or "")
+        assert parent is not None, f"{sp.name} has no parent in the trace"
+        assert Span(parent.name) in PARENTS[name], f"{sp.name} under {parent.name}"
