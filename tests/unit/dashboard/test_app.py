@@ -163,3 +163,12 @@ def test_switching_the_source_resets_filters_and_selection() -> None:
     pull = load_run_folder(HERE / "gen-pull")
     assert len(at.dataframe[0].value) == len(pull.requests)
     assert at.query_params["run"] == str(HERE / "gen-pull") and at.query_params["trace"] in pull.traces
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_a_run_with_no_spans_yet_renders_every_view(tmp_path: Path, view: str) -> None:
+    (tmp_path / "traces-pushkv-router-1.jsonl").write_text("")  # a process started, nothing ended
+    at = run_app(run=str(tmp_path), view=view, b_run=str(tmp_path))
+    assert not at.error
+    if view != "compare":
+        assert at.info, "says there is nothing to show"
