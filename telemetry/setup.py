@@ -24,6 +24,22 @@ from telemetry.schema import Resource as R
 _PROCESS: dict[int, Any] = {}  # pid -> provider (or None: tracing off); forks start afresh
 
 
+def _id_generator() -> Any:
+    """Span and trace ids from the OS, not from ``random``: vLLM seeds ``random`` with the
+    model seed in every engine process, so the SDK's default generator gives P and D the
+    same span ids (seen: P's ``prefill`` and D's ``register`` shared one id)."""
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    class OsRandomIds(IdGenerator):
+        def generate_span_id(self) -> int:
+            return int.from_bytes(os.urandom(8), "big") or 1
+
+        def generate_trace_id(self) -> int:
+            return int.from_bytes(os.urandom(16), "big") or 1
+
+    return OsRandomIds()
+
+
 def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
 
@@ -40,7 +56,7 @@ def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[st
 
     name = _env("OTEL_SERVICE_NAME") or service_name
     resource = Resource.create({R.SERVICE_NAME.value: name, R.ROLE.value: role, **(attributes or {})})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, id_generator=_id_generator())
     provider.add_span_processor(BatchSpanProcessor(
         _exporter(name, run_dir), max_queue_size=65536, max_export_batch_size=2048,
         schedule_delay_millis=500))

@@ -51,3 +51,19 @@ def test_setup_defaults_to_one_file_per_process(tmp_path: Path, monkeypatch) -> 
 def test_setup_can_be_disabled(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert setup_tracing("x", role="router", set_global=False) is None
+
+
+def test_span_ids_do_not_follow_the_random_module(tmp_path) -> None:
+    """vLLM seeds ``random`` identically in P's and D's processes; ids must still differ."""
+    import random
+
+    from telemetry.setup import setup_tracing
+
+    ids = []
+    for _ in range(2):
+        random.seed(0)
+        provider = setup_tracing("t", role="test", run_dir=tmp_path, set_global=False)
+        with provider.get_tracer("t").start_as_current_span("s") as span:
+            ids.append(span.get_span_context().span_id)
+        provider.shutdown()
+    assert ids[0] != ids[1]
