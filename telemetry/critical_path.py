@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from telemetry.otlp_json import SpanRecord, Trace
+from telemetry.otlp_json import SpanRecord, Trace, shared_span_ids
 from telemetry.schema import Attr, Event, Span
 
 PUSH_MODE = "push"
@@ -79,6 +79,7 @@ class Segment:
     covers: tuple[Seg, ...]  # for UNKNOWN: the segments it stands for; else (name,)
     span_ids: tuple[str, ...]  # spans whose edges bound it (the critical path)
     error: str | None = None  # the bounding span ended in error: its reason
+    span_keys: tuple[tuple[str, str], ...] = ()  # (span id, name): ids alone may collide
 
     @property
     def duration_ns(self) -> int:
@@ -118,6 +119,10 @@ class CriticalPath:
     @property
     def span_ids(self) -> frozenset[str]:
         return frozenset(i for seg in self.segments for i in seg.span_ids)
+
+    def on_path(self, sp: SpanRecord) -> bool:
+        """Whether ``sp`` bounds a segment (by id and name: seeded id generators collide)."""
+        return any((sp.span_id, sp.name) in seg.span_keys for seg in self.segments)
 
     def durations_ns(self) -> dict[Seg, int]:
         """Per segment name (unknown ones added up under UNKNOWN)."""
@@ -194,6 +199,10 @@ def _push_boundaries(trace: Trace, anomalies: list[str]) -> tuple[list[Boundary]
     marks = [Mark(f"{name.value}.end", sp.end_ns)
              for name in (Span.REGISTER, Span.AWAIT_KV, Span.FIRST_BYTE)
              for sp in trace.named(name.value)[:1]]
+    met = [e.time_ns for e in (rdv.events if rdv else ())
+           if e.name in (Event.REGISTRATION.value, Event.PREFILL_DONE.value)]
+    if len(met) == 2:  # both sides known: the rest of the wait is P's hand-off to its thread
+        marks.append(Mark("rendezvous met", max(met)))
     if len(writes) > 1:
         marks += [Mark(f"write.end (tp_rank {_rank(w)})", w.end_ns) for w in writes if w is not write]
     return bounds, marks, rank
@@ -231,10 +240,12 @@ def _segments(names: Sequence[Seg], start: Boundary, bounds: Sequence[Boundary],
             pending.append(name)
             continue
         assert prev.time_ns is not None
-        ids = tuple(dict.fromkeys(sp.span_id for sp in (prev.span, b.span) if sp is not None))
+        bounding = [sp for sp in (prev.span, b.span) if sp is not None]
+        ids = tuple(dict.fromkeys(sp.span_id for sp in bounding))
+        keys = tuple(dict.fromkeys((sp.span_id, sp.name) for sp in bounding))
         covers = (*pending, name)
         seg = Segment(Seg.UNKNOWN if pending else name, prev.time_ns, b.time_ns, covers, ids,
-                      _reason(b.span) if b.ends_span else None)
+                      _reason(b.span) if b.ends_span else None, keys)
         if seg.negative:
             anomalies.append(f"negative gap {prev.label} -> {b.label}: "
                              f"{seg.duration_ns / 1e6:.3f} ms ({' + '.join(c.value for c in covers)})")
@@ -258,6 +269,10 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
     req = _single(trace, Span.REQUEST, anomalies)
     if req is None:
         return None
+    shared = shared_span_ids(trace)
+    if shared:
+        anomalies.append(f"{len(shared)} span id(s) shared by different spans "
+                         "(seeded id generators): parent links are ambiguous")
     mode = str(req.attr(Attr.MODE.value) or "unknown")
     model = model or model_for(mode, trace)
     names, boundaries_of = _MODELS[model]

@@ -207,13 +207,26 @@ def parse_traces_data(doc: Mapping[str, Any]) -> list[SpanRecord]:
     return out
 
 
+def _identity(sp: SpanRecord) -> tuple[str, str, int, int, str]:
+    return (sp.span_id, sp.name, sp.start_ns, sp.end_ns, sp.service)
+
+
 def group_traces(spans: Iterable[SpanRecord]) -> list[Trace]:
     """Spans grouped by trace id; traces in order of their first span's start. A span seen
-    twice (overlapping Jaeger pages, a re-read file) is kept once."""
-    by_id: dict[str, dict[str, SpanRecord]] = {}
+    twice (overlapping Jaeger pages, a re-read file) is kept once; distinct spans that
+    share an id (processes whose id generators were seeded alike) are all kept."""
+    by_id: dict[str, dict[tuple[str, str, int, int, str], SpanRecord]] = {}
     for sp in spans:
-        by_id.setdefault(sp.trace_id, {}).setdefault(sp.span_id, sp)
+        by_id.setdefault(sp.trace_id, {}).setdefault(_identity(sp), sp)
     traces = [Trace(tid, tuple(sorted(sps.values(), key=lambda s: (s.start_ns, -s.end_ns))))
               for tid, sps in by_id.items()]
     traces.sort(key=lambda t: t.spans[0].start_ns)
     return traces
+
+
+def shared_span_ids(trace: Trace) -> dict[str, int]:
+    """Span ids that more than one distinct span of ``trace`` carries, with how many."""
+    counts: dict[str, int] = {}
+    for sp in trace.spans:
+        counts[sp.span_id] = counts.get(sp.span_id, 0) + 1
+    return {i: n for i, n in counts.items() if n > 1}

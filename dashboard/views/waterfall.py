@@ -63,7 +63,6 @@ def row_labels(trace: Trace) -> list[tuple[str, SpanRecord]]:
 
 def waterfall_figure(trace: Trace, path: CriticalPath | None) -> go.Figure:
     origin = path.start_ns if path else trace.start_ns
-    critical = path.span_ids if path else frozenset()
     rows = row_labels(trace)
     fig = go.Figure()
     colors: dict[str, str] = {}
@@ -77,7 +76,7 @@ def waterfall_figure(trace: Trace, path: CriticalPath | None) -> go.Figure:
             used[role] = used.get(role, 0) + 1
     for inst, color in colors.items():
         mine = [(label, sp) for label, sp in rows if instance_label(sp) == inst]
-        on_path = [sp.span_id in critical for _, sp in mine]
+        on_path = [path is not None and path.on_path(sp) for _, sp in mine]
         fig.add_trace(go.Bar(
             name=inst, orientation="h", y=[label for label, _ in mine],
             base=[(sp.start_ns - origin) / 1e6 for _, sp in mine],

@@ -25,11 +25,11 @@ def test_run_exports_every_span_with_nesting_slices(run_dir: Path) -> None:
     assert {sp.service for t in run.traces for sp in t.spans} <= {n.split(" ")[0] for n in names}
     span_slices = [e for e in events if e["ph"] == "X" and e["cat"] != "critical path"]
     assert len(span_slices) == sum(len(t.spans) for t in run.traces)
-    by_id = {e["args"]["span_id"]: e for e in span_slices}
+    by_id = {(e["args"]["span_id"], e["name"]): e for e in span_slices}  # ids alone may collide
     origin = min(t.start_ns for t in run.traces)
     for t in run.traces:
         for sp in t.spans:
-            e = by_id[sp.span_id]
+            e = by_id[(sp.span_id, sp.name)]
             assert e["ts"] == pytest.approx((sp.start_ns - origin) / 1e3)
             assert e["dur"] == pytest.approx(sp.duration_ns / 1e3)
     lanes: dict[tuple[int, int], list[dict]] = defaultdict(list)
