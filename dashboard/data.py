@@ -24,7 +24,8 @@ from telemetry.traces import read_run
 OK = "ok"
 # request-table columns, in display order
 COLUMNS = ["flag", "request_id", "ttft_ms", "tpot_ms", "input_tokens", "output_tokens", "mode",
-           "outcome", "reason", "load", "largest_segment", "unknown_ms", "start_s", "trace_id"]
+           "stream", "outcome", "reason", "load", "largest_segment", "unknown_ms", "start_s",
+           "trace_id"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
         "request_id": str(a.get(Attr.REQUEST_ID.value) or t.trace_id[:16]),
         "ttft_ms": ttft, "tpot_ms": tpot, "input_tokens": prompt, "output_tokens": out_tokens,
         "mode": str(a.get(Attr.MODE.value) or (path.mode if path else "unknown")),
+        "stream": a.get(Attr.STREAM.value),  # not streamed: the first chunk is the whole answer
         "outcome": str(outcome), "reason": str(reason) if reason else "",
         "largest_segment": largest or "", "unknown_ms": unknown,
         "anomalies": len(path.anomalies) if path else 0,

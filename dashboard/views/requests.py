@@ -90,6 +90,9 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
             st.warning(a)
         if path.ttft_ns is None:
             st.info("No first token reached the client: the segments run to the request's end.")
+        elif pd.notna(row["stream"]) and not bool(row["stream"]):
+            st.info("Not streamed: the first chunk is the whole answer, so 'stream back' holds "
+                    "the decode of every token after the first.")
     st.plotly_chart(waterfall_figure(trace, path), key="waterfall", config={"displaylogo": False})
     if path is not None:
         c1, c2 = st.columns([3, 2])

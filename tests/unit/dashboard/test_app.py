@@ -172,3 +172,14 @@ def test_a_run_with_no_spans_yet_renders_every_view(tmp_path: Path, view: str) -
     assert not at.error
     if view != "compare":
         assert at.info, "says there is nothing to show"
+
+
+def test_non_streamed_request_says_what_stream_back_holds(tmp_path: Path) -> None:
+    on = '{"key":"pushkv.stream","value":{"boolValue":true}}'
+    for f in (HERE / "gen-push").glob("traces-*.jsonl"):
+        (tmp_path / f.name).write_text(f.read_text().replace(on, on.replace("true", "false")))
+    data = load_run_folder(tmp_path)
+    ok = data.requests[data.requests["outcome"] == "ok"].iloc[0]
+    assert ok["stream"] is False or ok["stream"] == False  # noqa: E712 (numpy bool)
+    at = run_app(run=str(tmp_path), trace=ok["trace_id"])
+    assert any("Not streamed" in i.value for i in at.info)
