@@ -180,6 +180,6 @@ def test_non_streamed_request_says_what_stream_back_holds(tmp_path: Path) -> Non
         (tmp_path / f.name).write_text(f.read_text().replace(on, on.replace("true", "false")))
     data = load_run_folder(tmp_path)
     ok = data.requests[data.requests["outcome"] == "ok"].iloc[0]
-    assert ok["stream"] is False or ok["stream"] == False  # noqa: E712 (numpy bool)
+    assert not bool(ok["stream"])
     at = run_app(run=str(tmp_path), trace=ok["trace_id"])
     assert any("Not streamed" in i.value for i in at.info)
