@@ -107,7 +107,10 @@ def is_probe(params: dict[str, Any] | None) -> bool:
 
 
 class Coordinates(msgspec.Struct, frozen=True):
-    """What P returns to the router (in its response's ``kv_transfer_params["pushkv"]``)."""
+    """Where a D engine finds one P engine's KV: what P returns to the router's probe (in
+    its response's ``kv_transfer_params["pushkv"]``) and what the router puts in D's leg.
+    ``ports`` / ``agents`` name each P rank's listener and transport agent when P reports
+    them; empty means rank r listens on ``port + r`` under the default agent name."""
 
     engine_id: str
     host: str
@@ -115,3 +118,12 @@ class Coordinates(msgspec.Struct, frozen=True):
     tp_size: int
     ports: tuple[int, ...] = ()
     agents: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"engine_id": self.engine_id, "host": self.host,
+                               "port": self.port, "tp_size": self.tp_size}
+        if self.ports:
+            out["ports"] = list(self.ports)
+        if self.agents:
+            out["agents"] = list(self.agents)
+        return out

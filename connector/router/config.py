@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from msgspec import structs
 from typing import Any
 
 from connector.core.errors import ConfigError
+from connector.kv_params import Coordinates
 
 
 class Mode(enum.Enum):
@@ -27,27 +30,9 @@ class Mode(enum.Enum):
     PULL = "pull"  # vLLM's NixlConnector: P first, then D with P's returned kv_transfer_params
 
 
-@dataclass(frozen=True)
-class PrefillCoords:
-    """Where a D engine finds one P engine's KV (its side channel). ``ports`` / ``agents``
-    name each P rank's listener and transport agent when P reports them (pushkv's probe
-    does); empty means rank r listens on ``port + r`` under the default agent name."""
-
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    ports: tuple[int, ...] = ()
-    agents: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"engine_id": self.engine_id, "host": self.host,
-                               "port": self.port, "tp_size": self.tp_size}
-        if self.ports:
-            out["ports"] = list(self.ports)
-        if self.agents:
-            out["agents"] = list(self.agents)
-        return out
+# Where D reaches one P's KV: the connector's own type (connector/kv_params.py), so the
+# router and the scheduler role cannot drift apart.
+PrefillCoords = Coordinates
 
 
 @dataclass(frozen=True)
@@ -75,7 +60,7 @@ class CoordOverride:
             return PrefillCoords(e, h, p, t)
         if probed is None:
             return None
-        out = replace(
+        out = structs.replace(
             probed,
             **{k: v for k, v in (("engine_id", self.engine_id), ("host", self.host),
                                  ("port", self.port), ("tp_size", self.tp_size)) if v is not None},
@@ -83,9 +68,9 @@ class CoordOverride:
         # Per-rank lists that a changed field invalidates: ports follow the port, agent
         # names the engine id, and both the TP size.
         if out.port != probed.port or out.tp_size != probed.tp_size:
-            out = replace(out, ports=())
+            out = structs.replace(out, ports=())
         if out.engine_id != probed.engine_id or out.tp_size != probed.tp_size:
-            out = replace(out, agents=())
+            out = structs.replace(out, agents=())
         return out
 
 
