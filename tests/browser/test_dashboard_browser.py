@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -76,6 +77,27 @@ def test_clicking_a_row_opens_that_request(dashboard_url: str, browser, tmp_path
         page.mouse.click(box["x"] + 15, box["y"] + 35 + 35 + 17)
         page.get_by_text(f"Critical path: {second['request_id']}").wait_for(timeout=WAIT_MS)
         page.wait_for_url(f"**trace={second['trace_id']}**", timeout=WAIT_MS)
+        assert not errors, errors
+    finally:
+        page.close()
+
+
+def test_exports_download_as_chrome_trace_json(dashboard_url: str, browser,  # type: ignore[no-untyped-def]
+                                                tmp_path: Path) -> None:
+    run_dir = run_dirs()[0]
+    data = load_run_folder(run_dir)
+    first = data.requests.iloc[0]
+    page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "dl")
+    try:
+        page.get_by_text(f"Critical path: {first['request_id']}").wait_for(timeout=WAIT_MS)
+        one = len(data.traces[first["trace_id"]].spans)
+        every = sum(len(t.spans) for t in data.traces.values())
+        for label, spans in (("Export trace (Perfetto JSON)", one), ("Export run (Perfetto JSON)", every)):
+            with page.expect_download(timeout=WAIT_MS) as dl:
+                page.get_by_role("button", name=label).click()
+            doc = json.loads(Path(dl.value.path()).read_text())
+            slices = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "critical path"]
+            assert len(slices) == spans, label
         assert not errors, errors
     finally:
         page.close()
