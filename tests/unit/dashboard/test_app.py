@@ -10,7 +10,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.data import load_run_folder
-from telemetry.schema import Span
+from telemetry.schema import Attr, Span
 from tests.fixtures.traces import HERE, run_dirs, run_ids
 from tests.fixtures.traces.jaeger_server import FakeJaeger
 
@@ -150,7 +150,7 @@ def test_span_attributes_are_inspectable() -> None:
     write = next(i for i, lab in enumerate(labels) if lab.endswith("· write"))
     at.selectbox(key="span_pick").set_value(write).run()
     shown = at.json[0].value
-    assert Span.WRITE.value in shown and "pushkv.bytes" in shown
+    assert Span.WRITE.value in shown and Attr.BYTES.value in shown
 
 
 def test_switching_the_source_resets_filters_and_selection() -> None:
@@ -175,7 +175,7 @@ def test_a_run_with_no_spans_yet_renders_every_view(tmp_path: Path, view: str) -
 
 
 def test_non_streamed_request_says_what_stream_back_holds(tmp_path: Path) -> None:
-    on = '{"key":"pushkv.stream","value":{"boolValue":true}}'
+    on = json.dumps({"key": Attr.STREAM.value, "value": {"boolValue": True}}, separators=(",", ":"))
     for f in (HERE / "gen-push").glob("traces-*.jsonl"):
         (tmp_path / f.name).write_text(f.read_text().replace(on, on.replace("true", "false")))
     data = load_run_folder(tmp_path)

@@ -72,7 +72,8 @@ def test_malformed_documents_say_what_is_wrong(doc: object, words: str) -> None:
 
 def test_sdk_spans_round_trip_through_our_exporter(tmp_path: Path) -> None:
     exporter = JsonLinesSpanExporter(tmp_path / "traces-pushkv-router-1.jsonl")
-    provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-router", "pushkv.tp_rank": 3}))
+    provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-router",
+                                                        Attr.TP_RANK.value: 3}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("t")
     root = tracer.start_span(Span.REQUEST.value, kind=SpanKind.SERVER, start_time=1_000,
@@ -95,7 +96,7 @@ def test_sdk_spans_round_trip_through_our_exporter(tmp_path: Path) -> None:
     ev = req.event(Event.FIRST_CHUNK.value)
     assert ev is not None and ev.time_ns == 1_500 and ev.attributes == {"n": 1}
     assert write.is_error and write.status_message == "write_error"
-    assert write.attr("pushkv.tp_rank") == 3  # falls back to the resource
+    assert write.attr(Attr.TP_RANK.value) == 3  # falls back to the resource
     assert [s.name for s in t.spans] == [Span.REQUEST.value, Span.WRITE.value]  # by start
 
 
