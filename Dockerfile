@@ -9,7 +9,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY telemetry ./telemetry
 COPY dashboard ./dashboard
-RUN pip install '.[dashboard]' && useradd --uid 10001 --no-create-home dashboard
+RUN pip install '.[dashboard]' && useradd --uid 10001 --create-home dashboard
 USER 10001
 
 EXPOSE 8501
