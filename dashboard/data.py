@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pandas as pd
 
+from telemetry import perfetto
 from telemetry.critical_path import CriticalPath, Seg, critical_path
 from telemetry.jaeger import JaegerClient
 from telemetry.otlp_json import Trace
@@ -37,6 +39,11 @@ class RunData:
     segments: pd.DataFrame  # long: trace_id, segment, ms (requests with a TTFT only)
     problems: tuple[str, ...]
     not_requests: int = 0  # traces without a router request span (probes, stray spans): not listed
+
+    @cached_property
+    def chrome_trace(self) -> str:
+        """The whole run as Chrome/Perfetto JSON, made once per loaded run (on first ask)."""
+        return perfetto.dumps(self.traces.values(), self.paths)
 
 
 def _num(v: object) -> float | None:

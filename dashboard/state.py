@@ -93,17 +93,11 @@ def load(source: Source) -> RunData:
 def clear_caches() -> None:
     _load_folder.clear()
     _load_jaeger.clear()
-    _run_export.clear()
-
-
-@st.cache_resource(max_entries=4, show_spinner=False)
-def _run_export(label: str, _run: RunData, n: int) -> str:
-    return perfetto.dumps(_run.traces.values(), _run.paths)
 
 
 def run_export(run: RunData) -> str:
-    """Chrome/Perfetto JSON of a whole run (cached: a 1,000-request run takes a moment)."""
-    return _run_export(run.label, run, len(run.traces))
+    """Chrome/Perfetto JSON of a whole run (kept with the loaded run: made once)."""
+    return run.chrome_trace
 
 
 def trace_export(run: RunData, trace_id: str) -> str:
