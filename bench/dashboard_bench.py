@@ -8,7 +8,8 @@ JSON-lines exporter; ~13 spans a request) unless ``--run-dir`` names one, then t
 2. the whole app script through Streamlit's AppTest, cold (empty cache) and warm;
 3. a real page: ``streamlit run`` on 127.0.0.1 and headless Chromium, from navigation to the
    table and the waterfall's bars being drawn: the first visit on a fresh server, first visits
-   of new browser contexts (nothing cached in the browser), reloads.
+   of new browser contexts (nothing cached in the browser), reloads, and a click on a table
+   row until that request's waterfall replaces the one shown.
 Prints one line per figure, the load average (the box is shared: read the numbers with it)
 and whether a first visit met the 2 s target.
 """
