@@ -39,6 +39,12 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # progress (D waiting, P holding blocks or writing) switches it to fast polling.
     poll_hot_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.001
     poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
+    # An engine step that schedules nothing while a transfer is in progress (D waiting for
+    # KV, P writing) waits up to this long for the transfer to end before it returns:
+    # vLLM's engine otherwise runs such empty steps back to back (about 1 kHz), which on a
+    # small host takes the CPU from P's prefill and D's API server. It returns as soon as
+    # a result is in, so it never delays one. 0 turns it off.
+    idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = 120.0
 
     def sender_policy(self) -> SenderPolicy:

@@ -171,6 +171,7 @@ class SchedulerSide:
                     scheduled_ns=rec.scheduled_ns or now))
                 rec.state = ReqState.PUSHING
         step, self._step = self._step, StepPlan()
+        step.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         return step
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:

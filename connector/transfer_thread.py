@@ -74,6 +74,7 @@ class TransferThread:
         self._lock = threading.Lock()
         self._sent: list[str] = []
         self._recvd: list[Received] = []
+        self._results = threading.Event()  # set while _sent or _recvd holds something
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self.counters: Counter[str] = Counter()
@@ -103,12 +104,28 @@ class TransferThread:
     def take_finished_sending(self) -> list[str]:
         with self._lock:
             out, self._sent = self._sent, []
+            if not self._recvd:
+                self._results.clear()
         return out
 
     def take_finished_recving(self) -> list[Received]:
         with self._lock:
             out, self._recvd = self._recvd, []
+            if not self._sent:
+                self._results.clear()
         return out
+
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Block until a transfer result is ready to take (True) or ``timeout_s`` passed.
+        For an engine step with nothing else to do (see ``PushkvConfig.idle_step_wait_s``)."""
+        return self._results.wait(timeout_s)
+
+    @property
+    def transfers_pending(self) -> bool:
+        """A result may come: D awaits KV, or P holds blocks it has not handed back."""
+        return (self._pending_push > 0 or not self._inbox.empty()
+                or (self.receiver is not None and len(self.receiver.table) > 0
+                    and self.receiver.busy()))
 
     @property
     def pending_push_work(self) -> bool:
@@ -246,5 +263,7 @@ class TransferThread:
             if r is not None:
                 self._recvd += r.finished
                 r.finished = []
+            if self._sent or self._recvd:
+                self._results.set()
         if s is not None:
             self._pending_push = s.table.holding_blocks()

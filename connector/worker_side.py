@@ -203,12 +203,21 @@ class WorkerSide:
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         if self.thread is None:
             return set(), set(), set()
+        plan, wait_s = self._plan, self.cfg.idle_step_wait_s
+        if plan is not None and plan.idle and wait_s > 0 and self.thread.transfers_pending:
+            # Nothing to compute this step: wait (briefly) for the transfer instead of
+            # letting vLLM spin the next empty step at once.
+            got = self.thread.wait_for_results(wait_s)
+            self.thread.counters["idle_step_waits"] += 1
+            self.thread.counters["idle_step_wait_results" if got else "idle_step_wait_timeouts"] += 1
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()
         return sent, {r.request_id for r in received}, {r.request_id for r in received if not r.ok}
 
     def shutdown(self) -> None:
         if self.thread is not None:
+            logger.info("pushkv worker rank %d counters: %s", self.tp_rank,
+                        dict(self.thread.counters))
             self.thread.stop()
         if self._transport is not None:
             self._transport.close()

@@ -20,10 +20,10 @@ from telemetry import perfetto
 from telemetry.critical_path import CriticalPath, Seg, critical_path
 from telemetry.jaeger import JaegerClient
 from telemetry.otlp_json import Trace
-from telemetry.schema import Attr, Event, Service, Span
+from telemetry.schema import Attr, Event, Outcome, Service, Span
 from telemetry.traces import read_run
 
-OK = "ok"
+OK = Outcome.OK.value
 # request-table columns, in display order
 COLUMNS = ["flag", "request_id", "ttft_ms", "tpot_ms", "input_tokens", "output_tokens", "mode",
            "stream", "outcome", "reason", "load", "largest_segment", "unknown_ms", "start_s",

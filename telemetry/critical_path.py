@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from enum import Enum
 
 from telemetry.otlp_json import SpanRecord, Trace, shared_span_ids
-from telemetry.schema import Attr, Event, Span
+from telemetry.schema import Attr, Event, RouterMode, Span
 
-PUSH_MODE = "push"
+PUSH_MODE = RouterMode.PUSH.value
 
 
 class Seg(str, Enum):

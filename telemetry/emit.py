@@ -15,7 +15,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from telemetry.schema import Attr, Event, Span
+from telemetry.schema import Attr, Event, Outcome, Span
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -55,7 +55,7 @@ def emit(tracer: Tracer, name: Span, *, parent: Context | None, start_ns: int, e
         attrs[Attr.REASON.value] = error
         attrs.setdefault(Attr.OUTCOME.value, error)
     else:
-        attrs.setdefault(Attr.OUTCOME.value, "ok")
+        attrs.setdefault(Attr.OUTCOME.value, Outcome.OK.value)
     span = tracer.start_span(name.value, context=parent, kind=kind, start_time=start_ns,
                              attributes=attrs)
     for event, at_ns in events:

@@ -112,6 +112,22 @@ class Attr(str, Enum):
     ERROR_TYPE = "error.type"
 
 
+class Outcome(str, Enum):
+    """``pushkv.outcome`` values of their own (the others are FailReason values or a router
+    error such as ``http_502``)."""
+
+    OK = "ok"
+    CANCELLED = "cancelled"  # the client left, or a leg was cancelled
+
+
+class RouterMode(str, Enum):
+    """``pushkv.mode`` values: the router's modes (connector/router/config.py's Mode)."""
+
+    PUSH = "push"  # pushkv's PushConnector: every span of the tree
+    VLLM_PUSH = "vllm-push"  # vLLM's NixlPushConnector: router spans only
+    PULL = "pull"  # vLLM's NixlConnector: router spans only
+
+
 class Service(str, Enum):
     """Default ``service.name`` per role (``OTEL_SERVICE_NAME`` overrides)."""
 

@@ -32,6 +32,7 @@ from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
 from connector.router.relay import SSE_DONE, Dispatch, from_exception
 from connector.router.tracing import RequestTrace
+from telemetry.schema import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +123,11 @@ class ProxyEndpoint:
         try:
             error = await self._answer(scope, receive, request, trace, exchange)
         except BaseException:
-            error = "cancelled" if exchange.disconnected else "router_error"
+            error = Outcome.CANCELLED.value if exchange.disconnected else "router_error"
             raise
         finally:
             if exchange.disconnected:
-                error = "cancelled"  # the client left before the answer was complete
+                error = Outcome.CANCELLED.value  # the client left before the answer was complete
             try:
                 trace.end(exchange.status, error)
             except Exception:  # telemetry must never break serving
@@ -139,7 +140,7 @@ class ProxyEndpoint:
         try:
             raw = await request.body()
         except ClientDisconnect:
-            return "cancelled"
+            return Outcome.CANCELLED.value
         try:
             body = legs.parse_client_body(raw, self.endpoint)
         except legs.InvalidRequest as exc:

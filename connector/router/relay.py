@@ -31,6 +31,7 @@ from connector.router import legs
 from connector.router.backends import Backend, Lease
 from connector.router.config import Mode, RouterConfig
 from connector.router.tracing import RequestTrace
+from telemetry.schema import Outcome
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,7 +203,7 @@ class Dispatch:
     # -- the two legs ------------------------------------------------------------------
 
     async def _prefill(self) -> dict[str, Any]:
-        error: str | None = "cancelled"
+        error: str | None = Outcome.CANCELLED.value
         try:
             answer = await self._prefill_leg()
             error = None
@@ -369,7 +370,8 @@ class Dispatch:
             self.p.release()
         await _close(self._d_resp)
         self.d.release()
-        self.trace.decode_ended(None if self._d_done else (self._d_error or "cancelled"))
+        self.trace.decode_ended(None if self._d_done
+                                else (self._d_error or Outcome.CANCELLED.value))
 
 
 def _event_break(tail: bytes) -> bytes:

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from connector.router import legs
 from telemetry.emit import emit, parent_context, traceparent_of
-from telemetry.schema import Attr, Event, Span
+from telemetry.schema import Attr, Event, Outcome, Span
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
@@ -150,7 +150,7 @@ class RequestTrace:
         if root is None or self._closing:
             return
         self._closing = True
-        self.decode_ended("cancelled")  # no-op unless the relay left it open
+        self.decode_ended(Outcome.CANCELLED.value)  # no-op unless the relay left it open
         attrs: dict[str, Any] = {}
         if status is not None:
             attrs[Attr.HTTP_STATUS.value] = status
@@ -165,7 +165,7 @@ class RequestTrace:
             attrs[Attr.OUTPUT_TOKENS.value] = tokens
         if error is None and status is not None and status >= 400:
             error = f"http_{status}"
-        attrs[Attr.OUTCOME.value] = error or "ok"
+        attrs[Attr.OUTCOME.value] = error or Outcome.OK.value
         if error is not None:
             attrs[Attr.REASON.value] = error
             root.set_status(Status(StatusCode.ERROR, error))
@@ -186,7 +186,7 @@ def _end(span: Any, error: str | None) -> None:
         span.set_attributes({Attr.OUTCOME.value: error, Attr.REASON.value: error})
         span.set_status(Status(StatusCode.ERROR, error))
     else:
-        span.set_attribute(Attr.OUTCOME.value, "ok")
+        span.set_attribute(Attr.OUTCOME.value, Outcome.OK.value)
     span.end()
 
 

@@ -218,3 +218,10 @@ def test_override_apply() -> None:
     assert CoordOverride(tp_size=2).apply(ranked) == ranked
     full = CoordOverride("a", "b", 2, 3)
     assert full.complete and full.apply(None) == full.apply(probed) == PrefillCoords("a", "b", 2, 3)
+
+
+def test_router_modes_are_the_schema_mode_values() -> None:
+    """The dashboard reads pushkv.mode with telemetry.schema.RouterMode."""
+    from telemetry.schema import RouterMode
+
+    assert {m.value for m in Mode} == {m.value for m in RouterMode}
