@@ -67,3 +67,37 @@ def test_span_ids_do_not_follow_the_random_module(tmp_path) -> None:
             ids.append(span.get_span_context().span_id)
         provider.shutdown()
     assert ids[0] != ids[1]
+
+
+def test_fast_encoder_equals_opentelemetry_encoder() -> None:
+    """encode_line (ours, fast) and encode_line_reference (OpenTelemetry's protobuf encoder
+    and protobuf's JSON mapping) give the same objects, for every shape of span we make."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Link
+
+    from telemetry.emit import emit, parent_context
+    from telemetry.exporters import encode_line, encode_line_reference
+    from telemetry.schema import Event
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "enc", "n": 3}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    other = TracerProvider(resource=Resource.create({"service.name": "other"}))
+    other.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("pushkv", "1.0")
+    remote = parent_context("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", "k=v")
+    with tracer.start_as_current_span(Span.REQUEST.value, kind=SpanKind.SERVER,
+                                      attributes={"b": True, "f": 0.5, "i": 0, "s": "",
+                                                  "seq": [1, 2], "strs": ("a", "b")}) as root:
+        root.add_event(Event.FIRST_CHUNK.value, {"n": 1}, timestamp=5)
+        root.set_status(StatusCode.ERROR, "boom")
+        emit(tracer, Span.WRITE, parent=remote, start_ns=1, end_ns=2,
+             attributes={Attr.BYTES: 4096, Attr.GBPS: 1.0}, error="write_error")
+        emit(tracer, Span.PREFILL, parent=None, start_ns=3, end_ns=4,
+             events=[(Event.SCHEDULED, 3)])
+        tracer.start_span("linked", links=[Link(root.get_span_context(), {"x": "y"})],
+                          kind=SpanKind.CLIENT).end()
+    other.get_tracer("o").start_span("o", kind=SpanKind.PRODUCER).end()
+    spans = memory.get_finished_spans()
+    assert len(spans) == 5
+    assert json.loads(encode_line(spans)) == json.loads(encode_line_reference(spans))

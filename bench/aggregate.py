@@ -1,0 +1,65 @@
+"""Median of several ``pushkv bench`` runs, per configuration and concurrency.
+
+Run: python bench/aggregate.py runs/bench-A runs/bench-B ... [--markdown]
+
+This box's numbers move a lot from one run to the next (see README: the engines' spinning
+loops and two cores), so claims rest on the median over repeated, interleaved runs. Prints
+per (config, concurrency): the runs that had numbers, then the median over them of median
+TTFT, p90 TTFT, mean TPOT, median E2EL and req/s, with the min-max range of median TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+KEYS = (("median_ttft_ms", "median TTFT ms"), ("p90_ttft_ms", "p90 TTFT ms"),
+        ("mean_tpot_ms", "mean TPOT ms"), ("median_e2el_ms", "median E2EL ms"),
+        ("request_throughput", "req/s"))
+
+
+def main(argv: list[str]) -> int:
+    markdown = "--markdown" in argv
+    runs = [Path(a) for a in argv if not a.startswith("--")]
+    cells: dict[tuple[str, int], list[dict[str, float]]] = defaultdict(list)
+    failed: dict[tuple[str, int], list[str]] = defaultdict(list)
+    order: list[str] = []
+    for run in runs:
+        data = json.loads((run / "results.json").read_text())
+        for r in data["results"]:
+            key = (r["config"], r["concurrency"])
+            if r["config"] not in order:
+                order.append(r["config"])
+            (cells[key].append(r["metrics"]) if r["ok"] else failed[key].append(r["reason"]))
+    header = ["config", "conc", "runs", *(t for _, t in KEYS), "median TTFT range"]
+    rows = []
+    for conc in sorted({c for _, c in cells} | {c for _, c in failed}):
+        for cfg in order:
+            ms = cells.get((cfg, conc), [])
+            n_fail = len(failed.get((cfg, conc), []))
+            if not ms:
+                rows.append([cfg, str(conc), f"0 ({n_fail} failed)", *["-"] * (len(KEYS) + 1)])
+                continue
+            med = [statistics.median(m[k] for m in ms if k in m) for k, _ in KEYS]
+            ttfts = [m["median_ttft_ms"] for m in ms]
+            rows.append([cfg, str(conc), f"{len(ms)}" + (f" (+{n_fail} failed)" if n_fail else ""),
+                         *(f"{v:.2f}" if k == "request_throughput" else f"{v:.1f}"
+                           for v, (k, _) in zip(med, KEYS)),
+                         f"{min(ttfts):.0f}-{max(ttfts):.0f}"])
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+    else:
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
