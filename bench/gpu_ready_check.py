@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_push import _port  # noqa: E402
 from connector.core import events as ev  # noqa: E402
 from connector.loopback import RankSpec, expected_event  # noqa: E402
 
@@ -53,12 +53,6 @@ class Times:
 
     def __getattr__(self, _name: str) -> Any:
         return lambda *a, **k: None
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> int:
