@@ -190,10 +190,12 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
                                           failed_recving=failed)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        # vLLM's processes may end by a re-raised signal or SIGKILL, where atexit never
-        # runs: write this process's spans out now.
+        # vLLM's processes may end by a re-raised signal or SIGKILL (its API server
+        # force-kills a worker that is still shutting down, seen right after this hook
+        # started), where atexit never runs: write this process's spans out first.
         from telemetry.setup import flush_process
 
+        flush_process()
+        if self._worker is not None:
+            self._worker.shutdown()
         flush_process()

@@ -43,6 +43,7 @@ BASE_ENV: dict[str, str] = {
 # VLLM_CPU_KVCACHE_SPACE, when set, overrides --kv-cache-memory-bytes on the CPU platform
 # (vllm/platforms/cpu.py, "Legacy setting"), so it must not leak into the child.
 DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+SHUTDOWN_TIMEOUT_S = 5  # vLLM's --shutdown-timeout: engines exit on their own, spans flushed
 
 
 class ServerError(PushkvError):
@@ -223,6 +224,9 @@ class VllmServer:
             # which would otherwise log every /health poll.
             "--no-enable-log-requests",
             "--disable-uvicorn-access-log",
+            # vLLM's default (0) SIGKILLs EngineCore and its workers the moment it stops,
+            # before they can flush their spans (measured: the last request's D spans lost).
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]

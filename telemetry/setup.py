@@ -56,7 +56,8 @@ def _env(name: str) -> str:
 
 
 def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[str] | None = None,
-                  attributes: dict[str, Any] | None = None, set_global: bool = True) -> Any:
+                  attributes: dict[str, Any] | None = None, set_global: bool = True,
+                  export_delay_ms: int = 500) -> Any:
     """Build (and by default install) this process's TracerProvider; None when disabled."""
     if _env("OTEL_SDK_DISABLED").lower() == "true":
         return None
@@ -70,7 +71,7 @@ def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[st
     provider = TracerProvider(resource=resource, id_generator=_id_generator())
     provider.add_span_processor(BatchSpanProcessor(
         _exporter(name, run_dir), max_queue_size=65536, max_export_batch_size=2048,
-        schedule_delay_millis=500))
+        schedule_delay_millis=export_delay_ms))
     if set_global:
         trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)  # flushes: spans are not lost when the process exits
@@ -101,8 +102,10 @@ def process_tracer(service_name: str, *, role: str, attributes: dict[str, Any] |
     scheduler and a worker sharing one process share one provider and one file."""
     pid = os.getpid()
     if pid not in _PROCESS:
+        # Export within 100 ms: a vLLM process can be killed at shutdown with spans still
+        # queued, and an idle export thread costs nothing.
         _PROCESS[pid] = setup_tracing(service_name, role=role, attributes=attributes,
-                                      set_global=False)
+                                      set_global=False, export_delay_ms=100)
     provider = _PROCESS[pid]
     return None if provider is None else provider.get_tracer(scope)
 
