@@ -124,8 +124,7 @@ class TransferThread:
     def transfers_pending(self) -> bool:
         """A result may come: D awaits KV, or P holds blocks it has not handed back."""
         return (self._pending_push > 0 or not self._inbox.empty()
-                or (self.receiver is not None and len(self.receiver.table) > 0
-                    and self.receiver.busy()))
+                or (self.receiver is not None and self.receiver.busy()))
 
     @property
     def pending_push_work(self) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from connector.router import legs
-from telemetry.emit import emit, parent_context, traceparent_of
+from telemetry.emit import context_of, emit, parent_context, traceparent_of
 from telemetry.schema import Attr, Event, Outcome, Span
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
@@ -55,9 +55,7 @@ class RequestTrace:
         return self._root is not None
 
     def _ctx(self) -> Any:
-        from opentelemetry import trace
-
-        return trace.set_span_in_context(self._root)
+        return context_of(self._root)
 
     def request_parsed(self, body: dict[str, Any], request_id: str) -> None:
         if self._root is not None:
@@ -110,9 +108,7 @@ class RequestTrace:
     def decode_bytes(self) -> None:
         """D's first body bytes arrived (called for every chunk; acts on the first)."""
         if self._decode is not None and self._decode_start_ns:
-            from opentelemetry import trace
-
-            emit(self._tracer, Span.FIRST_BYTE, parent=trace.set_span_in_context(self._decode),
+            emit(self._tracer, Span.FIRST_BYTE, parent=context_of(self._decode),
                  start_ns=self._decode_start_ns, end_ns=time.time_ns())
             self._decode_start_ns = 0
 
