@@ -154,7 +154,9 @@ class TransferThread:
                 self.counters["loop_errors"] += 1
                 logger.exception("Transfer thread iteration failed; continuing")
                 active = False
-            if active:
+            if active or (self.sender is not None and self.sender.writing()):
+                # A WRITE in flight is polled at the fast rate, no back-off: its DONE ends
+                # the transfer, and D may be counting the completion already.
                 delay = self._hot_min_s
             elif self._busy():
                 delay = min(delay * 2, self._hot_max_s)
