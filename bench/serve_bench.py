@@ -111,10 +111,11 @@ class ConfigRun:
     log_signals: dict[str, dict[str, int]] | None = None
 
 
-def _start(config: BenchConfig, model: Path, run_dir: Path, log: Log) -> BenchStack:
+def _start(config: BenchConfig, model: Path, run_dir: Path, log: Log,
+           pin_servers: bool = True) -> BenchStack:
     """A stack whose ports are all free right now, started and healthy (or ServerError)."""
     for _ in range(3):
-        stack = make_stack(config, model, run_dir)
+        stack = make_stack(config, model, run_dir, pin_servers)
         busy = busy_ports(stack.ports())
         if not busy:
             break
@@ -156,12 +157,12 @@ def _foreign_vllm(stack: BenchStack) -> list[int]:
 
 
 def run_config(config: BenchConfig, model: Path, run_dir: Path, workload: Workload,
-               log: Log) -> ConfigRun:
+               log: Log, pin_servers: bool = True) -> ConfigRun:
     """Start ``config``'s stack, warm up, run every level, stop. Never raises for a failed
     configuration: its levels come back as failures carrying the reason."""
     cfg_dir = run_dir / config.name
     try:
-        stack = _start(config, model, cfg_dir, log)
+        stack = _start(config, model, cfg_dir, log, pin_servers)
     except ServerError as exc:
         return ConfigRun(_fail_all(config, f"stack did not start: {str(exc).splitlines()[0]}",
                                    workload.levels, log))
@@ -255,6 +256,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         f"{' '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--levels", nargs="+", default=None, metavar="CONC:PROMPTS",
                    help="concurrency levels, e.g. 4:48 16:128 (the default)")
+    p.add_argument("--request-rate", type=float, default=None, metavar="REQ_PER_S",
+                   help="open loop: Poisson arrivals at this mean rate at every level (still "
+                        "capped at its concurrency), the same offered load for every stack; "
+                        "default: closed loop")
+    p.add_argument("--pin-servers", action=argparse.BooleanOptionalAction, default=True,
+                   help="confine P's and D's every process (API server, EngineCore, threads) "
+                        "to their engine's CPU, as if each were a host of its own (default); "
+                        "--no-pin-servers binds only the engines' compute threads")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -276,7 +285,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         levels = ((4, 12),) if args.quick else Workload.levels
     return Workload(args.input_len, args.output_len, levels,
                     warmup_prompts=4 if args.quick else Workload.warmup_prompts,
-                    seed=args.seed)
+                    seed=args.seed, request_rate=args.request_rate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -300,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_file.write(line + "\n")
         log_file.flush()
 
-    log(f"run folder {run_dir}; configs {names}; levels {workload.levels}")
+    log(f"run folder {run_dir}; configs {names}; levels {workload.levels}; "
+        f"{_arrivals(workload.request_rate)}")
     wait = args.wait if args.wait is not None else not args.quick
     if wait and not wait_for_quiet_machine(args.wait_timeout_s, log=log):
         log("other vLLM servers still running: measuring anyway (numbers are suspect)")
@@ -312,13 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": str(model), "workload": asdict(workload),
         "configs": {n: asdict(CONFIGS[n]) for n in names},
         "cpu_binding": {"prefill": "0", "decode": "1"},
+        # True: P's and D's whole process trees confined to those CPUs (as separate hosts)
+        "pin_servers": args.pin_servers,
     }
     t_start = time.monotonic()
     results: list[LevelResult] = []
     meta["stacks"] = {}
     for name in names:
         t0 = time.monotonic()
-        run = run_config(CONFIGS[name], model, run_dir, workload, log)
+        run = run_config(CONFIGS[name], model, run_dir, workload, log, args.pin_servers)
         results += run.results
         meta["stacks"][name] = {"start_duration_s": run.start_duration_s,
                                 "log_signals": run.log_signals,
@@ -364,13 +376,20 @@ def _write_json(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResu
     (run_dir / "results.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
+def _arrivals(rate: float | None) -> str:
+    return ("closed loop" if rate is None
+            else f"open loop, Poisson arrivals at {rate:g} req/s")
+
+
 def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
                   duration_s: float) -> None:
     w = meta["workload"]
     preamble = (f"# Push vs pull: `vllm bench serve` through the router\n\n"
                 f"Run {run_dir.name} on {meta['host']} ({meta['cpus']} CPUs), commit "
                 f"{meta['git_commit']}; random {w['input_len']} in / {w['output_len']} out, "
-                f"levels (concurrency, prompts) {[tuple(x) for x in w['levels']]}; "
+                f"levels (concurrency, prompts) {[tuple(x) for x in w['levels']]}, "
+                f"{_arrivals(w.get('request_rate'))}"
+                f"{', P and D servers pinned to their CPU' if meta.get('pin_servers') else ''}; "
                 f"took {duration_s / 60:.1f} min. Command: `{' '.join(meta['argv'])}`.\n")
     (run_dir / "report.md").write_text(markdown_report(results, preamble))
 

@@ -9,7 +9,9 @@ module and pass extra config, which ``PdStack`` alone cannot: it takes the modul
 
 Every configuration gets the same P/D command lines (``PdStack``'s flags, model, seed, KV
 size, ``kv_buffer_device: cpu``, engine ids ``prefill``/``decode``) and the same CPU binding
-(P ``VLLM_CPU_OMP_THREADS_BIND=0``, D ``=1``); only the connector, the router mode and the
+(P ``VLLM_CPU_OMP_THREADS_BIND=0``, D ``=1``, and unless ``--no-pin-servers`` each server's
+whole process tree confined to that CPU, as if on a host of its own; the router and the
+``vllm bench serve`` client are not pinned); only the connector, the router mode and the
 ``bench.*`` switches in ``kv_connector_extra_config`` differ. Note that vLLM's own NIXL worker
 re-pins its model runner to the last core unless ``bench.vllm_keepcpu``'s switch is on.
 
@@ -132,12 +134,15 @@ class BenchStack(PdStack):
                 if pid is not None]
 
 
-def make_stack(config: BenchConfig, model: Path, run_dir: Path) -> BenchStack:
-    """The stack for ``config``: logs go to ``run_dir`` (one file per process)."""
+def make_stack(config: BenchConfig, model: Path, run_dir: Path,
+               pin_servers: bool = True) -> BenchStack:
+    """The stack for ``config``: logs go to ``run_dir`` (one file per process);
+    ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``)."""
     return BenchStack(model, run_dir, connector_name=config.connector_name,
                       prefill_extra_config=dict(config.extra_config),
                       decode_extra_config=dict(config.extra_config),
-                      module_path_override=config.module_path, tracing=config.tracing)
+                      module_path_override=config.module_path, tracing=config.tracing,
+                      pin_servers=pin_servers)
 
 
 def busy_ports(ports: Mapping[str, int]) -> dict[str, int]:

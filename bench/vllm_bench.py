@@ -29,8 +29,11 @@ SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
 
 @dataclass(frozen=True)
 class Workload:
-    """What ``vllm bench serve`` sends: random prompts, fixed lengths, closed loop at each
-    concurrency (``levels``: (max concurrency, number of prompts))."""
+    """What ``vllm bench serve`` sends: random prompts, fixed lengths, at each level
+    (``levels``: (max concurrency, number of prompts)). ``request_rate`` None: closed loop
+    (a client sends its next request when its last one ends, so a faster stack is offered
+    more load); a number: open loop, Poisson arrivals at that many requests/s on average,
+    still capped at the level's concurrency, so every stack is offered the same load."""
 
     input_len: int = 256
     output_len: int = 32
@@ -38,6 +41,7 @@ class Workload:
     warmup_prompts: int = 8
     warmup_concurrency: int = 4
     seed: int = 0
+    request_rate: float | None = None
 
     def level_seed(self, index: int) -> int:
         return self.seed + index
@@ -66,6 +70,8 @@ def bench_command(base_url: str, model_dir: Path, workload: Workload, concurrenc
            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--disable-tqdm"]
+    if workload.request_rate is not None and result is not None:  # the warm-up: closed loop
+        cmd += ["--request-rate", f"{workload.request_rate:g}"]
     if result is not None:
         cmd += ["--save-result", "--save-detailed", "--result-dir", str(result.parent),
                 "--result-filename", result.name]

@@ -190,6 +190,9 @@ class VllmServer:
     kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES
     seed: int = 0
     python: str = sys.executable
+    # CPUs the whole server (API server, EngineCore, their threads) may run on, like a host
+    # of its own; None: wherever the OS puts it.
+    cpu_affinity: frozenset[int] | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -256,9 +259,12 @@ class VllmServer:
         self._log_file = self.log.open("wb")
         self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
         self._log_file.flush()
+        cpus = self.cpu_affinity
         self._proc = subprocess.Popen(
             self.command(), env=self.child_env(), stdin=subprocess.DEVNULL,
-            stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            # children inherit the mask; set in the child before exec (no threads there yet)
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
 
     def log_tail(self, n: int = 40) -> str:
         return tail_lines(self.log, n)

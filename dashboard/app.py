@@ -16,7 +16,7 @@ if __package__ in (None, ""):  # `streamlit run dashboard/app.py` runs this file
 import streamlit as st
 
 from dashboard.state import clear_caches, initial_source, load, run_export
-from dashboard.views import compare, decomposition, requests
+from dashboard.views import chart, compare, decomposition, requests
 from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
 from telemetry.traces import RunFolderError
@@ -29,6 +29,7 @@ VIEWS = {"requests": ("Requests", requests.render),
 def main() -> None:
     st.set_page_config(page_title="pushkv · TTFT critical path", layout="wide")
     st.sidebar.title("pushkv · TTFT")
+    chart.preload(st.sidebar)
     source = source_picker(st.sidebar, "", initial_source())
     if st.sidebar.button("Reload", key="reload"):
         clear_caches()

@@ -23,6 +23,7 @@ def command(run_dir: str | os.PathLike[str], port: int = DEFAULT_PORT,
     return [sys.executable, "-m", "streamlit", "run", str(APP),
             "--server.address", address, "--server.port", str(port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--server.enableStaticServing", "true",  # dashboard.views.chart's light bundle
             "--", "--run-dir", str(Path(run_dir).resolve())]
 
 

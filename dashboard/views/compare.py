@@ -8,6 +8,7 @@ import streamlit as st
 
 from dashboard.data import OK, RunData, percentiles
 from dashboard.state import RUN, Source, initial_source, known_runs, load
+from dashboard.views import chart
 from dashboard.views.decomposition import COLOR_MAP
 from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
@@ -64,8 +65,8 @@ def render(run: RunData, params: dict[str, str]) -> None:
     ttft = pd.concat([run.requests.assign(run=a_name), other.requests.assign(run=b_name)])
     ttft = ttft.dropna(subset=["ttft_ms"])
     if not ttft.empty:
-        st.plotly_chart(px.ecdf(ttft, x="ttft_ms", color="run", labels={"ttft_ms": "TTFT ms"}),
-                        key="compare_ecdf")
+        chart.show(px.ecdf(ttft, x="ttft_ms", color="run", labels={"ttft_ms": "TTFT ms"}),
+                   key="compare_ecdf")
     segs = pd.concat([run.segments.assign(run=a_name), other.segments.assign(run=b_name)])
     if not segs.empty:
         per_request = segs.groupby(["run", "trace_id", "segment"], as_index=False)["ms"].sum()
@@ -76,4 +77,4 @@ def render(run: RunData, params: dict[str, str]) -> None:
         fig = px.bar(means, x="run", y="ms", color="segment", color_discrete_map=COLOR_MAP,
                      labels={"ms": "mean ms"}, title="Mean TTFT decomposition")
         fig.update_layout(barmode="stack")
-        st.plotly_chart(fig, key="compare_bars")
+        chart.show(fig, key="compare_bars")

@@ -6,6 +6,7 @@ import plotly.express as px
 import streamlit as st
 
 from dashboard.data import RunData, decomposition, percentiles
+from dashboard.views import chart
 from dashboard.views.waterfall import SEGMENT_COLORS
 
 GROUPINGS = {"prompt length (tokens)": "input_tokens", "load (requests in flight at arrival)": "load"}
@@ -27,11 +28,11 @@ def render(run: RunData, params: dict[str, str]) -> None:
                  hover_data={"requests": True}, labels={"bucket": label, "ms": "mean ms"},
                  category_orders={"bucket": list(dict.fromkeys(long["bucket"]))})
     fig.update_layout(barmode="stack", legend={"orientation": "h", "y": -0.25})
-    st.plotly_chart(fig, key="decomp_chart")
+    chart.show(fig, key="decomp_chart")
     st.markdown("**Percentiles (ms)**")
     st.dataframe(percentiles(run).style.format("{:.3f}", subset=["p50", "p90", "p99", "mean"])
                  .format("{:.0f}", subset=["requests"]), key="decomp_percentiles")
     box = px.box(run.segments, x="segment", y="ms", color="segment", color_discrete_map=COLOR_MAP,
                  points=False)
     box.update_layout(showlegend=False, yaxis_type="log", yaxis_title="ms (log)")
-    st.plotly_chart(box, key="decomp_box")
+    chart.show(box, key="decomp_box")  # box: not in the basic bundle

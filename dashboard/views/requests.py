@@ -8,6 +8,7 @@ import streamlit as st
 
 from dashboard.data import OK, RunData
 from dashboard.state import share_link, trace_export
+from dashboard.views import chart
 from dashboard.views.waterfall import row_labels, waterfall_figure
 from telemetry.critical_path import CriticalPath, Seg
 
@@ -93,7 +94,7 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
         elif pd.notna(row["stream"]) and not bool(row["stream"]):
             st.info("Not streamed: the first chunk is the whole answer, so 'stream back' holds "
                     "the decode of every token after the first.")
-    st.plotly_chart(waterfall_figure(trace, path), key="waterfall", config={"displaylogo": False})
+    chart.show(waterfall_figure(trace, path), key="waterfall")
     if path is not None:
         c1, c2 = st.columns([3, 2])
         c1.dataframe(_segment_table(path), hide_index=True, key="segments")
@@ -115,7 +116,9 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
                  "attributes": dict(sp.attributes), "resource": dict(sp.resource),
                  "events": [{"name": e.name, "time_ns": e.time_ns, **e.attributes} for e in sp.events]})
     c1, c2 = st.columns([3, 1])
-    c1.code(share_link({**params, TRACE_KEY: trace_id}), language=None)
+    link = share_link({**params, TRACE_KEY: trace_id})
+    # a markdown link, not st.code: that would load a 1.5 MB syntax highlighter on first visit
+    c1.markdown(f"Link to this request: [`{link}`]({link})")
     c2.download_button("Export trace (Perfetto JSON)", data=lambda: trace_export(run, trace_id),
                        file_name=f"pushkv-{trace_id}.perfetto.json", mime="application/json",
                        key="export_trace", on_click="ignore")

@@ -9,6 +9,7 @@ from urllib.parse import urlencode
 import pytest
 
 from dashboard.data import load_run_folder
+from dashboard.views import chart
 from tests.fixtures.traces import run_dirs, run_ids
 
 pytestmark = pytest.mark.browser
@@ -38,6 +39,8 @@ def test_waterfall_renders(dashboard_url: str, browser, run_dir: Path, tmp_path:
         segments = len(path.segments) if path else 0
         assert bars.count() == spans + segments, "one bar per span plus one per critical-path segment"
         assert "trace=" + first["trace_id"] in page.url  # the link to this request is in the URL
+        # drawn by plotly.js's basic bundle (dashboard.views.chart), not Streamlit's 4.7 MB one
+        assert page.evaluate("window.Plotly && window.Plotly.version") == chart.BASIC_VERSION
         page.screenshot(path=str(tmp_path / f"waterfall-{run_dir.name}.png"), full_page=True)
         assert not errors, errors
     finally:
@@ -70,6 +73,9 @@ def test_clicking_a_row_opens_that_request(dashboard_url: str, browser, tmp_path
     page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "click")
     try:
         page.get_by_text(f"Critical path: {data.requests.iloc[0]['request_id']}").wait_for(timeout=WAIT_MS)
+        # the page has settled (chart drawn) and the grid's canvas is up: a click now lands
+        page.locator(".js-plotly-plot .barlayer .point path").first.wait_for(timeout=WAIT_MS)
+        page.locator("[data-testid='stDataFrame'] canvas").first.wait_for(timeout=WAIT_MS)
         grid = page.locator("[data-testid='stDataFrame']").first
         box = grid.bounding_box()
         assert box is not None

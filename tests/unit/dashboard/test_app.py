@@ -28,9 +28,15 @@ def run_app(**query: str) -> AppTest:
 
 
 def chart(at: AppTest, key: str) -> dict:
+    """The figure JSON of chart ``key``, drawn by st.plotly_chart or dashboard.views.chart's
+    plotly-basic component (AppTest reads the repository's .streamlit/config.toml, which
+    turns static serving on)."""
     for el in at.get("plotly_chart"):
         if el.proto.id.endswith(f"-{key}"):  # element ids end with the widget key
             return json.loads(el.proto.spec)
+    for el in at.get("bidi_component"):
+        if el.proto.id.endswith(f"-{key}"):
+            return json.loads(json.loads(el.proto.json)["figure"])
     raise AssertionError(f"no plotly chart {key!r} on the page")
 
 
@@ -85,7 +91,7 @@ def test_link_to_one_request_opens_it() -> None:
     assert ok["request_id"] in at.subheader[0].value
     at = run_app(run=str(HERE / "gen-push"), req=ok["request_id"])
     assert at.query_params["trace"] == ok["trace_id"]
-    link = next(c.value for c in at.code if "trace=" in c.value)
+    link = next(m.value for m in at.markdown if "trace=" in m.value)
     assert f"trace={ok['trace_id']}" in link and "run=" in link
 
 
