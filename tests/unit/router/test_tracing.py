@@ -39,6 +39,7 @@ async def test_push_request_tree_and_leg_parents(cluster: MakeCluster) -> None:
     assert p_leg.kind is SpanKind.CLIENT and d_leg.kind is SpanKind.CLIENT
     for child in (rec.one(Span.ROUTE), p_leg, d_leg):
         assert child.parent.span_id == root.context.span_id
+    assert p_leg.start_time <= d_leg.start_time  # P's leg, the long pole, is sent first
     assert rec.one(Span.FIRST_BYTE).parent.span_id == d_leg.context.span_id
     # Each leg names its own span as the parent of what P and D record.
     pseen, dseen = c.p[0].requests[0], c.d[0].requests[0]
