@@ -130,10 +130,6 @@ class Sender:
         """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
         return not any(t in self._writes or t in self._deferred for t in transfer_ids)
 
-    def writing(self) -> bool:
-        """A WRITE is posted (or waiting for its peer) and not yet DONE."""
-        return bool(self._writes)
-
     def busy(self) -> bool:
         """Something on the critical path may happen any moment: poll fast."""
         return bool(self._writes or self._deferred) or self.table.awaiting_network()

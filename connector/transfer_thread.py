@@ -154,9 +154,11 @@ class TransferThread:
                 self.counters["loop_errors"] += 1
                 logger.exception("Transfer thread iteration failed; continuing")
                 active = False
-            if active or (self.sender is not None and self.sender.writing()):
-                # A WRITE in flight is polled at the fast rate, no back-off: its DONE ends
-                # the transfer, and D may be counting the completion already.
+            # A WRITE in flight backs off like any other wait (to poll_hot_max_s): its DONE
+            # only frees P's blocks, D counts the notification on its own, and polling every
+            # 20 µs for a WRITE's few ms took the CPU and the GIL from P's forward pass on
+            # its pinned core.
+            if active:
                 delay = self._hot_min_s
             elif self._busy():
                 delay = min(delay * 2, self._hot_max_s)
