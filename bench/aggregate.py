@@ -29,6 +29,10 @@ def main(argv: list[str]) -> int:
     cells: dict[tuple[str, int, str], list[dict[str, float]]] = defaultdict(list)
     failed: dict[tuple[str, int, str], list[str]] = defaultdict(list)
     order: list[str] = []
+    missing = [str(run) for run in runs if not (run / "results.json").is_file()]
+    if missing:
+        print(f"no results.json in: {', '.join(missing)}", file=sys.stderr)
+        return 2
     for run in runs:
         data = json.loads((run / "results.json").read_text())
         rate = data.get("workload", {}).get("request_rate")

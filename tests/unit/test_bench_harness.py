@@ -68,3 +68,9 @@ def test_aggregate_never_mixes_closed_and_open_loop_runs(tmp_path: Path,
     assert aggregate.main([str(r) for r in runs]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [(r[2], r[3], r[4]) for r in rows] == [("closed", "2", "150.0"), ("10/s", "1", "300.0")]
+
+
+def test_aggregate_names_a_folder_without_results(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert aggregate.main([str(tmp_path / "nowhere")]) == 2
+    assert "no results.json in" in capsys.readouterr().err
