@@ -198,10 +198,12 @@ class PdStack:
     router_args: Sequence[str] = ()
     prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine
     decode_cpus: str = "1"
-    # Also confine each server's every process and thread (API server, EngineCore, NIXL's)
-    # to those CPUs, as if P and D were hosts of their own; the router stays unpinned. On 2
-    # cores this halved push's median TTFT and sped up every connector (README, Measured):
-    # unpinned, D's API server and EngineCore competed with P's prefill on P's core.
+    # Also confine each server's processes (API server, EngineCore, workers, their threads)
+    # to those CPUs, as if P and D were hosts of their own; the router stays unpinned. One
+    # thread escapes on purpose: pushkv's transfer thread widens itself to every CPU
+    # (connector/transfer_thread.py, _unpin). On 2 cores this halved push's median TTFT and
+    # sped up every connector (README, Measured): unpinned, D's API server and EngineCore
+    # competed with P's prefill on P's core.
     pin_servers: bool = True
     # Every process writes its spans to run_dir/traces-<service>-<pid>.jsonl (or where the
     # caller's OTEL_* variables say); False sets OTEL_SDK_DISABLED for all three.
