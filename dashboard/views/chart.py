@@ -17,7 +17,6 @@ installed plotly.py bundles (a unit test keeps them equal).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import streamlit.components.v2 as components
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 BASIC_VERSION = "4.1.1"
 BASIC_FILE = f"plotly-basic-{BASIC_VERSION}.min.js"
+BASIC_SRC = f"app/static/{BASIC_FILE}"  # relative to the page: a server.baseUrlPath works
 # what plotly.js's basic bundle draws (its package README)
 BASIC_TRACE_TYPES = frozenset({"bar", "scatter", "pie"})
 CONFIG: dict[str, Any] = {"displaylogo": False, "responsive": True}
@@ -74,12 +74,8 @@ def preload(where: Any = st) -> None:
     chart: on a first visit the chart's own component code arrives among the last of
     Streamlit's lazily loaded pieces (measured), so the fetch would start last too."""
     if light_charts_available():
-        where.html(f"<script>{_LOADER}; pushkvPlotly({json.dumps(_src())}).catch(() => {{}});"
+        where.html(f"<script>{_LOADER}; pushkvPlotly({json.dumps(BASIC_SRC)}).catch(() => {{}});"
                    "</script>", unsafe_allow_javascript=True)
-
-
-def _src() -> str:
-    return f"app/static/{BASIC_FILE}"
 
 
 def basic_types_only(fig: go.Figure) -> bool:
@@ -95,17 +91,8 @@ def show(fig: go.Figure, key: str, config: dict[str, Any] | None = None) -> None
     """Draw ``fig`` (full width) under widget key ``key``."""
     cfg = {**CONFIG, **(config or {})}
     if light_charts_available() and basic_types_only(fig):
-        _component(data={"figure": fig.to_json(), "src": _src(),
+        _component(data={"figure": fig.to_json(), "src": BASIC_SRC,
                          "config": cfg}, key=key)
     else:
         st.plotly_chart(fig, key=key, config=cfg)
 
-
-def bundled_plotly_js_version() -> str | None:
-    """The plotly.js version inside the installed plotly.py (its file's header)."""
-    import plotly
-
-    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-    head = path.read_text(errors="replace")[:300] if path.is_file() else ""
-    m = re.search(r"plotly\.js v(\d+\.\d+\.\d+)", head)
-    return m.group(1) if m else None

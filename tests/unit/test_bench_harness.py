@@ -35,9 +35,12 @@ def test_a_pinned_server_starts_inside_its_cpu_mask(tmp_path: Path) -> None:
     server = _AffinityProbe(tmp_path, port=1, log_path=tmp_path / "probe.log",
                             cpu_affinity=frozenset({cpu}))
     server.start()
-    assert server._proc is not None
-    assert server._proc.wait(timeout=30) == 0
-    assert server.log.read_text().splitlines()[-1] == f"[{cpu}]"
+    try:
+        assert server._proc is not None
+        assert server._proc.wait(timeout=30) == 0
+        assert server.log.read_text().splitlines()[-1] == f"[{cpu}]"
+    finally:
+        server.stop()  # closes the log; kills the child if it did not exit
 
 
 def test_open_loop_rate_reaches_measured_runs_but_not_the_warm_up(tmp_path: Path) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import plotly
 import plotly.express as px
 import pytest
 from streamlit import config
@@ -19,9 +21,16 @@ from tests.fixtures.traces import HERE
 APP = str(Path(__file__).resolve().parents[3] / "dashboard" / "app.py")
 
 
+def _bundled_plotly_js_version() -> str | None:
+    """The plotly.js version inside the installed plotly.py (its file's header)."""
+    head = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text()[:300]
+    m = re.search(r"plotly\.js v(\d+\.\d+\.\d+)", head)
+    return m.group(1) if m else None
+
+
 def test_vendored_bundle_is_the_plotly_js_that_plotly_py_bundles() -> None:
     # plotly.py writes figure JSON for its own plotly.js: the basic bundle must be that version
-    assert chart.bundled_plotly_js_version() == chart.BASIC_VERSION
+    assert _bundled_plotly_js_version() == chart.BASIC_VERSION
     head = (chart.STATIC_DIR / chart.BASIC_FILE).read_text()[:200]
     assert f"plotly.js (basic - minified) v{chart.BASIC_VERSION}" in head
 
@@ -65,6 +74,7 @@ def test_with_static_serving_the_waterfall_is_the_component_and_box_plots_stay()
     el = next(el for el in at.get("bidi_component") if el.proto.id.endswith("-waterfall"))
     payload = json.loads(el.proto.json)
     assert payload["src"] == f"app/static/{chart.BASIC_FILE}"  # relative: baseUrlPath works
+    assert (chart.STATIC_DIR / chart.BASIC_FILE).is_file()
     assert json.loads(payload["figure"])["data"], "the figure travels whole"
     at = _run("decomposition")
     assert _kinds(at, "decomp_chart") == {"bidi_component"}
