@@ -112,7 +112,7 @@ class ConfigRun:
 
 
 def _start(config: BenchConfig, model: Path, run_dir: Path, log: Log,
-           pin_servers: bool = True) -> BenchStack:
+           pin_servers: bool) -> BenchStack:
     """A stack whose ports are all free right now, started and healthy (or ServerError)."""
     for _ in range(3):
         stack = make_stack(config, model, run_dir, pin_servers)
@@ -157,7 +157,7 @@ def _foreign_vllm(stack: BenchStack) -> list[int]:
 
 
 def run_config(config: BenchConfig, model: Path, run_dir: Path, workload: Workload,
-               log: Log, pin_servers: bool = True) -> ConfigRun:
+               log: Log, pin_servers: bool) -> ConfigRun:
     """Start ``config``'s stack, warm up, run every level, stop. Never raises for a failed
     configuration: its levels come back as failures carrying the reason."""
     cfg_dir = run_dir / config.name
