@@ -10,10 +10,10 @@ module and pass extra config, which ``PdStack`` alone cannot: it takes the modul
 Every configuration gets the same P/D command lines (``PdStack``'s flags, model, seed, KV
 size, ``kv_buffer_device: cpu``, engine ids ``prefill``/``decode``) and the same CPU binding
 (P ``VLLM_CPU_OMP_THREADS_BIND=0``, D ``=1``, and unless ``--no-pin-servers`` each server's
-whole process tree confined to that CPU, as if on a host of its own; the router, the
-``vllm bench serve`` client and pushkv's transfer thread, which widens its own mask, are
-not pinned); only the connector, the router mode and the
-``bench.*`` switches in ``kv_connector_extra_config`` differ. Note that vLLM's own NIXL worker
+whole process tree confined to that CPU, as if on a host of its own, pushkv's transfer
+thread included; the router and the ``vllm bench serve`` client are not pinned); only the
+connector, the router mode and the ``bench.*`` switches in ``kv_connector_extra_config``
+differ. Note that vLLM's own NIXL worker
 re-pins its model runner to the last core unless ``bench.vllm_keepcpu``'s switch is on.
 
 Must not import vLLM, NIXL or torch (servers are child processes). Needs httpx via pdstack.

@@ -199,8 +199,8 @@ class PdStack:
     prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine
     decode_cpus: str = "1"
     # Also confine each server's processes (API server, EngineCore, workers, their threads)
-    # to those CPUs, as if P and D were hosts of their own; the router stays unpinned. One
-    # thread escapes on purpose: pushkv's transfer thread widens itself to every CPU
+    # to those CPUs, as if P and D were hosts of their own; the router stays unpinned.
+    # pushkv's transfer thread leaves vLLM's OpenMP core but not its server's CPUs
     # (connector/transfer_thread.py, _unpin). On 2 cores this halved push's median TTFT and
     # sped up every connector (README, Measured): unpinned, D's API server and EngineCore
     # competed with P's prefill on P's core.
