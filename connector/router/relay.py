@@ -147,16 +147,19 @@ PREFILL_FAILED: Final = _PrefillFailed()
 
 
 class PrefillWatch:
-    """Runs D-side awaits that the P leg's failure interrupts. With no P task (pull, or P
-    already finished) it just awaits."""
+    """Runs D-side awaits that the P leg's failure interrupts. With no P task (pull), or
+    once P's leg has ended, it just awaits: a cancel scope per streamed chunk was ~30 % of
+    the router's CPU under load."""
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.failure: UpstreamError | None = None
         self._scope: anyio.CancelScope | None = None
+        self._armed = task is not None  # P's leg may still fail
         if task is not None:
             task.add_done_callback(self._on_done)
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
+        self._armed = False
         if task.cancelled():
             return  # we cancelled it: D failed or the client left; nothing to report
         exc = task.exception()  # also marks it retrieved
@@ -172,6 +175,8 @@ class PrefillWatch:
             if asyncio.iscoroutine(aw):
                 aw.close()
             return PREFILL_FAILED
+        if not self._armed:
+            return await aw
         with anyio.CancelScope() as scope:
             self._scope = scope
             try:

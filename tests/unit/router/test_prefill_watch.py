@@ -1,0 +1,41 @@
+"""PrefillWatch: D's awaits end early when P's leg fails, and are plain awaits otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from connector.router.relay import PREFILL_FAILED, PrefillWatch, UpstreamError
+
+pytestmark = pytest.mark.anyio
+
+
+async def _p_leg(outcome: asyncio.Future[None]) -> None:
+    await outcome
+
+
+async def test_p_failing_mid_await_interrupts_it() -> None:
+    outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    watch = PrefillWatch(asyncio.create_task(_p_leg(outcome)))
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.01, outcome.set_exception, UpstreamError(503, "P down"))
+    assert await asyncio.wait_for(watch.run(never), 5) is PREFILL_FAILED
+    assert watch.failure is not None and watch.failure.status == 503
+    assert await watch.run(asyncio.sleep(0, "late")) is PREFILL_FAILED  # and every later one
+
+
+async def test_after_p_succeeded_awaits_return_their_value() -> None:
+    outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(_p_leg(outcome))
+    watch = PrefillWatch(task)
+    outcome.set_result(None)
+    await task
+    await asyncio.sleep(0)  # the done callback runs
+    assert await watch.run(asyncio.sleep(0, "chunk")) == "chunk"
+    assert watch.failure is None
+
+
+async def test_without_p_task_it_just_awaits() -> None:
+    watch = PrefillWatch(None)
+    assert await watch.run(asyncio.sleep(0, 7)) == 7
