@@ -44,7 +44,8 @@ class _Reclaim:
 
 def _name_os_thread(name: str) -> None:
     """Give the calling thread ``name`` in the kernel (``top -H``, ``/proc/*/task/*/comm``),
-    so that its CPU shows apart from the engine's; Linux keeps the first 15 bytes."""
+    so that its CPU shows apart from the engine's; Linux keeps the first 15 bytes. Threads
+    it starts (a lazily created exporter's, UCX's) inherit the name."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
