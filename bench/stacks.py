@@ -13,8 +13,8 @@ size, ``kv_buffer_device: cpu``, engine ids ``prefill``/``decode``) and the same
 whole process tree confined to that CPU, as if on a host of its own, pushkv's transfer
 thread included; the router and the ``vllm bench serve`` client are not pinned); only the
 connector, the router mode and the ``bench.*`` switches in ``kv_connector_extra_config``
-differ. Note that vLLM's own NIXL worker
-re-pins its model runner to the last core unless ``bench.vllm_keepcpu``'s switch is on.
+differ. Note that vLLM's own NIXL worker re-pins its model runner to the last core unless
+``bench.vllm_keepcpu``'s switch is on.
 
 Must not import vLLM, NIXL or torch (servers are child processes). Needs httpx via pdstack.
 """

@@ -191,7 +191,7 @@ class VllmServer:
     seed: int = 0
     python: str = sys.executable
     # CPUs the whole server (API server, EngineCore, their threads) starts on, like a host
-    # of its own (a thread may widen its own mask later); None: wherever the OS puts it.
+    # of its own (pushkv's transfer thread stays inside it); None: wherever the OS puts it.
     cpu_affinity: frozenset[int] | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)

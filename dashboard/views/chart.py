@@ -33,8 +33,7 @@ BASIC_TRACE_TYPES = frozenset({"bar", "scatter", "pie"})
 CONFIG: dict[str, Any] = {"displaylogo": False, "responsive": True}
 
 # Loads the bundle once per page (a <script> in <head>: it sets window.Plotly), then draws or
-# redraws in place with Plotly.react. The URL is relative to the page, so a
-# server.baseUrlPath keeps working.
+# redraws in place with Plotly.react.
 _LOADER = """
 function pushkvPlotly(src) {
   if (window.Plotly) return Promise.resolve(window.Plotly);
