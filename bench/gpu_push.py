@@ -2,6 +2,7 @@
 Receiver, transfer thread, NixlTransport) and time it, on CPU (DRAM) or GPU (VRAM).
 
 Run: python bench/gpu_push.py --device cuda:0 [--d-device cuda:1] [--tokens 1024,4096,16384]
+     [--no-doorbell]
 The KV is shaped like one TP rank of a Llama-3-8B-class model (32 layers, 8 KV heads,
 head_dim 128, bf16, K|V packed per token, 16-token blocks). For every size it moves a
 prompt whose D blocks are contiguous, then one whose D blocks are scattered (random ids,
@@ -41,12 +42,14 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1100)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-doorbell", action="store_true",
+                    help="poll every millisecond instead of sleeping until the peer rings")
     args = ap.parse_args()
     cuda = args.device != "cpu"
     os.environ.setdefault("UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc" if cuda else "tcp,sm,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     shape = dict(num_layers=args.layers, num_blocks=args.blocks, block_size=16, num_kv_heads=8,
-                 token_bytes=2 * 128 * 2)
+                 token_bytes=2 * 128 * 2, doorbell=not args.no_doorbell)
     p = RankProcess(RankSpec("P", "prefill", 0, 1, _port(), device=args.device, **shape), 120)
     d = RankProcess(RankSpec("D", "decode", 0, 1, _port(), device=args.d_device or args.device,
                              **shape), 120)

@@ -34,11 +34,18 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 5.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
     dial_timeout_s: Seconds = 10.0
-    # Transfer-thread polling: fast while something is expected, slow when idle. Idle is
-    # off the critical path: an engine event wakes the thread at once, and a transfer in
-    # progress (D waiting, P holding blocks or writing) switches it to fast polling.
+    # Transfer-thread polling: fast while our own work needs progress (a WRITE in flight,
+    # a dial), slow when idle. Idle is off the critical path: an engine event wakes the
+    # thread at once, and a transfer in progress switches it to fast polling.
     poll_hot_max_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.001
     poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
+    # Doorbells (connector/doorbell.py): a peer that sends us something also sends a UDP
+    # datagram to our side-channel port number, so a thread that only waits on its peer
+    # (D for its KV, P for a registration) sleeps until then instead of polling every
+    # poll_hot_max_s; it still polls every poll_bell_fallback_s, so a lost bell, a
+    # firewalled UDP port or a peer without doorbells costs latency, never a transfer.
+    doorbells: bool = True
+    poll_bell_fallback_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.005
     # An engine step that schedules nothing while a transfer is in progress (D waiting for
     # KV, P writing) waits up to this long for the transfer to end before it returns:
     # vLLM's engine otherwise runs such empty steps back to back (about 1 kHz), which on a

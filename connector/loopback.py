@@ -47,6 +47,7 @@ class RankSpec:
     send_policy: SenderPolicy = field(default_factory=SenderPolicy)
     recv_policy: ReceiverPolicy = field(default_factory=ReceiverPolicy)
     dial_timeout_s: float = 5.0
+    doorbell: bool = True  # UDP wake-ups on the listen port number (connector.doorbell)
 
     @property
     def agent(self) -> str:
@@ -107,6 +108,7 @@ def _cpu_seconds() -> float:
 
 def rank_main(conn: Connection, spec: RankSpec) -> None:
     """Child process: one rank, commanded over ``conn`` until ("stop",)."""
+    from connector.doorbell import Doorbell
     from connector.peers import Peers
     from connector.receiving import Receiver
     from connector.sending import Sender
@@ -118,16 +120,19 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     layout = spec.layout(buf)
     transport = NixlTransport(spec.agent, listen_port=spec.port)
     transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
-    peers = Peers(transport, int(spec.dial_timeout_s * 1e9))
+    bell = Doorbell.open("127.0.0.1", spec.port) if spec.doorbell else None
+    peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
     if spec.role == "P":
         sender = Sender(transport, me, layout, Topology(spec.num_kv_heads, spec.tp_size), peers,
                         spec.send_policy, on_write_finished=reports.append)
-        thread = TransferThread(transport, peers, sender=sender, name=f"pushkv-{spec.agent}")
+        thread = TransferThread(transport, peers, sender=sender, name=f"pushkv-{spec.agent}",
+                                bell=bell)
     else:
         receiver = Receiver(me, layout, peers, spec.recv_policy)
-        thread = TransferThread(transport, peers, receiver=receiver, name=f"pushkv-{spec.agent}")
+        thread = TransferThread(transport, peers, receiver=receiver, name=f"pushkv-{spec.agent}",
+                                bell=bell)
     thread.start()
     conn.send(("ready", os.getpid()))
     try:
@@ -154,7 +159,8 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
                 conn.send(("ok", _cpu_seconds()))
             elif cmd == "counters":
                 endpoint = thread.sender or thread.receiver
-                conn.send(("ok", dict(thread.counters), dict(endpoint.counters),
+                bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
+                conn.send(("ok", {**thread.counters, **bells}, dict(endpoint.counters),
                            dict(endpoint.table.dropped), len(endpoint.table)))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))

@@ -1,7 +1,8 @@
 """Reaching peers: dial on first use, queue work until the peer's metadata is loaded.
 
-Owns: per-peer dial deadlines and the callbacks waiting on each peer. Used only from the
-transfer thread. Knows the Transport protocol, not NIXL.
+Owns: per-peer dial deadlines, the callbacks waiting on each peer, each peer's address
+and ringing its doorbell (``connector.doorbell``) after we sent it something. Used only
+from the transfer thread. Knows the Transport protocol, not NIXL.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from connector.core.errors import PeerDisconnected, PeerUnreachable, TransportError
 from connector.core.messages import PeerAddr
+from connector.doorbell import MESSAGE, Doorbell
 from connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -30,14 +32,24 @@ class _Dial:
 class Peers:
     """Run callbacks once a peer is reachable, or fail them when its dial times out."""
 
-    def __init__(self, transport: Transport, dial_timeout_ns: int = 5_000_000_000) -> None:
+    def __init__(self, transport: Transport, dial_timeout_ns: int = 5_000_000_000,
+                 bell: Doorbell | None = None) -> None:
         self._t = transport
         self._dial_timeout_ns = dial_timeout_ns
         self._dials: dict[str, _Dial] = {}
+        self._addrs: dict[str, PeerAddr] = {}  # every peer we dealt with: where to ring
+        self._bell = bell
         self.unreachable = 0
+
+    def ring(self, agent: str, what: bytes = MESSAGE) -> None:
+        """Wake ``agent``'s transfer thread: we just sent it something, or posted a WRITE."""
+        addr = self._addrs.get(agent)
+        if self._bell is not None and addr is not None:
+            self._bell.ring(addr.host, addr.port, what)
 
     def when_ready(self, addr: PeerAddr, now_ns: int, ready: OnReady, fail: OnFail) -> None:
         """Call ``ready`` now if the peer is loaded, else once it is; ``fail`` on timeout."""
+        self._addrs[addr.agent] = addr
         dial = self._dials.get(addr.agent)
         if dial is None and self._t.peer_ready(addr.agent):
             ready()
@@ -59,6 +71,7 @@ class Peers:
                 self.lost(addr.agent, exc)
                 fail(exc)
                 return
+            self.ring(addr.agent)
             if sent is not None:
                 sent()
 
@@ -68,6 +81,7 @@ class Peers:
         """Forget a peer that disconnected, so the next use fetches fresh metadata (it may
         have restarted under the same name)."""
         if isinstance(exc, PeerDisconnected):
+            self._addrs.pop(agent, None)
             try:
                 self._t.remove_peer(agent)
             except TransportError as err:

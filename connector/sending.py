@@ -20,6 +20,7 @@ from connector.core.errors import LayoutError, PeerDisconnected, TransportError
 from connector.core.layout import KVLayout, plan_transfer
 from connector.core.rendezvous import SenderTable
 from connector.core.state import SenderPolicy
+from connector.doorbell import WRITE, write_key
 from connector.peers import Peers
 from connector.spans import NO_SPANS, PrefillNote
 from connector.topology import RankInfo, Topology
@@ -130,9 +131,13 @@ class Sender:
         """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
         return not any(t in self._writes or t in self._deferred for t in transfer_ids)
 
-    def busy(self) -> bool:
-        """Something on the critical path may happen any moment: poll fast."""
-        return bool(self._writes or self._deferred) or self.table.awaiting_network()
+    def writing(self) -> bool:
+        """A WRITE is in flight or waits for its KV (GPU): only our polling moves it on."""
+        return bool(self._writes or self._deferred)
+
+    def awaiting_network(self) -> bool:
+        """Blocks held for a registration (or a peer's answer) that has not come yet."""
+        return self.table.awaiting_network()
 
     # ------------------------------------------------------------------ actions
     def _run(self, actions: list, now_ns: int) -> None:
@@ -209,6 +214,7 @@ class Sender:
         try:
             if pieces.count == 0:  # D already holds every token: nothing to move, say so
                 self._t.send_notif(reg.d_addr.agent, notif)
+                self.peers.ring(reg.d_addr.agent)
                 return
             src, dst = pieces.as_descs(self.layout.device_id, reg.layout.device_id)
             handle = self._t.write(reg.d_addr.agent, src, dst, notif,
@@ -219,6 +225,8 @@ class Sender:
             return
         w.report.posted_ns = w.report.posted_ns or handle.posted_ns
         w.handles.append(handle)
+        # D polls until this WRITE's completion is in: it may need D's UCX progress.
+        self.peers.ring(reg.d_addr.agent, WRITE + write_key(self.me.rank, w.report.transfer_id))
 
     def _unposted_failed(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
         w.unposted -= 1

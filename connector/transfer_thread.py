@@ -6,10 +6,12 @@ it only through ``submit`` and ``take_*`` (thread-safe), so the protocol core is
 entered from two threads and nothing of the transfer runs on the engine's loop.
 
 Polling, not blocking: with NIXL's progress thread off, UCX progresses only inside our
-calls. While something is expected (a completion, a registration for held blocks, a WRITE
-in flight) the loop polls every ``hot_min_s``, backing off to ``hot_max_s`` while nothing
-arrives; otherwise it sleeps ``idle_s`` (an idle pair then costs about 0.1 % of a core).
-A submit wakes it at once.
+calls. While local work needs progress (a WRITE in flight, a dial) the loop polls every
+``hot_min_s``, backing off to ``hot_max_s`` while nothing arrives. While it only waits on a
+peer (D for its KV, P for a registration) it polls that fast only without a doorbell
+(``connector.doorbell``); with one it sleeps until the peer rings, or ``bell_fallback_s``.
+Otherwise it sleeps ``idle_s`` (an idle pair then costs about 0.1 % of a core). A submit
+wakes it at once.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
+from connector.doorbell import Doorbell, write_key
 from connector.peers import Peers
 from connector.receiving import Received, Receiver
 from connector.sending import Sender
 from connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
+
+_MAX_INCOMING = 4096  # announced WRITEs tracked at once; far above any real fan-in
 
 
 @dataclass(frozen=True)
@@ -74,18 +79,90 @@ def _unpin() -> None:
         logger.info("Transfer thread keeps its CPU mask: %s", exc)
 
 
+class _Waker(Protocol):
+    def wake(self) -> None: ...
+    def wait(self, timeout_s: float) -> tuple[bool, int, list[bytes]]: ...
+
+
+class _EventWaker:
+    """The waker without a doorbell: only the engine (submit, stop) wakes the thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout_s: float) -> tuple[bool, int, list[bytes]]:
+        if self._event.wait(timeout_s):
+            self._event.clear()
+            return True, 0, []
+        return False, 0, []
+
+
+@dataclass
+class Backoff:
+    """How long the loop sleeps after an iteration (pure: the clock is an argument).
+
+    ``local``: our own work needs UCX progress (a WRITE in flight, a dial): poll from
+    ``hot_min_s`` after anything happened, doubling to ``hot_max_s``. A WRITE in flight
+    backs off like any other wait: its DONE only frees P's blocks, and polling every 20 µs
+    for a WRITE's few ms took the CPU and the GIL from P's forward pass on its core.
+    ``incoming``: a peer's WRITE into us is in flight (it rang WRITE, its completion has
+    not come): polled the same way, since it may need our UCX progress to complete
+    (measured on loopback: with D asleep, P's small WRITEs took milliseconds, not 40-80 µs).
+    ``remote``: we only wait on a peer. With no doorbell (``fallback_s`` None) that is
+    polled like local work; with one the thread sleeps ``fallback_s`` (the peer rings when
+    it sends), except for ``bell_hot_s`` after a ring (``rung``) that brought nothing: a
+    bell may beat its notification. Neither: ``idle_s``."""
+
+    hot_min_s: float
+    hot_max_s: float
+    idle_s: float
+    fallback_s: float | None = None
+    bell_hot_s: float = 0.001
+    delay_s: float = 0.0
+    hot_until_s: float = 0.0
+
+    def next(self, now_s: float, *, active: bool, woken: bool, rung: bool, local: bool,
+             remote: bool, incoming: bool = False) -> float:
+        if rung and not active:  # the bell beat its news: look again soon
+            self.hot_until_s = now_s + self.bell_hot_s
+        fast = (local or incoming or now_s < self.hot_until_s
+                or (remote and self.fallback_s is None))
+        if fast:
+            self.delay_s = (self.hot_min_s if active or woken
+                            else min(max(self.delay_s, self.hot_min_s) * 2, self.hot_max_s))
+        elif remote:
+            assert self.fallback_s is not None
+            self.delay_s = self.fallback_s
+        else:
+            self.delay_s = self.idle_s
+        return self.delay_s
+
+
 class TransferThread:
     def __init__(self, transport: Transport, peers: Peers, *, sender: Sender | None = None,
                  receiver: Receiver | None = None, name: str = "pushkv-transfer",
                  hot_min_s: float = 20e-6, hot_max_s: float = 1e-3, idle_s: float = 0.05,
+                 bell: Doorbell | None = None, bell_fallback_s: float = 0.005,
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
         if sender is None and receiver is None:
             raise ValueError("a transfer thread needs a sender, a receiver or both")
         self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
-        self._hot_min_s, self._hot_max_s, self._idle_s = hot_min_s, hot_max_s, idle_s
+        self._backoff = Backoff(hot_min_s, hot_max_s, idle_s,
+                                bell_fallback_s if bell is not None else None)
         self._clock = clock
         self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._bell = bell
+        self._wake: _Waker = bell if bell is not None else _EventWaker()
+        # Peers' WRITEs into us (write_key -> until when) announced by a bell whose
+        # completion has not come: polled fast until it does, or at most _incoming_max_s
+        # (a peer that died mid-WRITE). _landed: completions whose bell may still come
+        # (the two travel apart), so a late bell does not start a wait for nothing.
+        self._incoming: dict[bytes, float] = {}
+        self._landed: dict[bytes, float] = {}
+        self._incoming_max_s = 0.05
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._sent: list[str] = []
@@ -106,7 +183,7 @@ class TransferThread:
         ``ready``: for PrefillDone on GPU, says when the KV is computed (a CUDA event).
         ``note``: the engine's timestamps for the event's spans (``connector.spans``)."""
         self._inbox.put((event, ready, note))
-        self._wake.set()
+        self._wake.wake()
 
     def reclaim(self, transfer_ids: list[str], timeout_s: float) -> bool:
         """P: vLLM took these transfers' source blocks back. Block until no WRITE reads
@@ -114,7 +191,7 @@ class TransferThread:
         False if that took longer than ``timeout_s``."""
         done = threading.Event()
         self._inbox.put((_Reclaim(list(transfer_ids), done), None, None))
-        self._wake.set()
+        self._wake.wake()
         return done.wait(timeout_s)
 
     def take_finished_sending(self) -> list[str]:
@@ -149,11 +226,16 @@ class TransferThread:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
+        self._wake.wake()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.error("Transfer thread %s did not stop within %.1fs", self._thread.name, timeout_s)
+                return  # still inside wait(): leave the bell's sockets to the process
+        if self._bell is not None:
+            self.counters.update({f"bell_{k}": v for k, v in self._bell.counters.items()})
+            self._bell.close()
+            self._bell = None
 
     @property
     def alive(self) -> bool:
@@ -163,7 +245,7 @@ class TransferThread:
     def _run(self) -> None:
         _name_os_thread(self._thread.name)
         _unpin()
-        delay = self._hot_min_s
+        woken, rings = False, 0
         while not self._stop.is_set():
             try:
                 active = self._step()
@@ -171,22 +253,42 @@ class TransferThread:
                 self.counters["loop_errors"] += 1
                 logger.exception("Transfer thread iteration failed; continuing")
                 active = False
-            # A WRITE in flight backs off like any other wait (to poll_hot_max_s): its DONE
-            # only frees P's blocks, D counts the notification on its own, and polling every
-            # 20 µs for a WRITE's few ms took the CPU and the GIL from P's forward pass on
-            # its pinned core.
-            if active:
-                delay = self._hot_min_s
-            elif self._busy():
-                delay = min(delay * 2, self._hot_max_s)
-            else:
-                delay = self._idle_s
-            if self._wake.wait(delay):
-                self._wake.clear()
-                delay = self._hot_min_s
+            now_s = self._clock() / 1e9
+            if self._incoming or self._landed:
+                self._expire_incoming(now_s)
+            delay = self._backoff.next(now_s, active=active, woken=woken, rung=rings > 0,
+                                       local=self._local_busy(), remote=self._remote_busy(),
+                                       incoming=bool(self._incoming))
+            woken, rings, writes = self._wake.wait(delay)
+            if writes:
+                self._heard_writes(writes, self._clock() / 1e9)
 
-    def _busy(self) -> bool:
-        return (self._peers.dialing or (self.sender is not None and self.sender.busy())
+    def _heard_writes(self, keys: list[bytes], now_s: float) -> None:
+        for key in keys:
+            if self._landed.pop(key, None) is None:  # not in already (its bell was late)
+                if len(self._incoming) >= _MAX_INCOMING:  # a flood of forged bells
+                    self.counters["incoming_dropped"] += 1
+                    continue
+                self._incoming[key] = now_s + self._incoming_max_s
+
+    def _write_landed(self, key: bytes, now_s: float) -> None:
+        if self._incoming.pop(key, None) is None:  # its bell has not come (yet)
+            self._landed[key] = now_s
+
+    def _expire_incoming(self, now_s: float) -> None:
+        for key in [k for k, until in self._incoming.items() if until <= now_s]:
+            del self._incoming[key]
+            self.counters["incoming_expired"] += 1
+        for key in [k for k, t in self._landed.items() if t + self._incoming_max_s <= now_s]:
+            del self._landed[key]
+
+    def _local_busy(self) -> bool:
+        """Work of ours that needs UCX progress to finish: a dial, a WRITE in flight."""
+        return self._peers.dialing or (self.sender is not None and self.sender.writing())
+
+    def _remote_busy(self) -> bool:
+        """Waiting on a peer: P for a registration, D for its KV."""
+        return ((self.sender is not None and self.sender.awaiting_network())
                 or (self.receiver is not None and self.receiver.busy()))
 
     def _step(self) -> bool:
@@ -258,6 +360,8 @@ class TransferThread:
             target: Sender | Receiver | None = self.sender
         else:
             target = self.receiver
+            if isinstance(msg, (m.Completion, m.Fail)) and self._bell is not None:
+                self._write_landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
         if target is None:
             self.counters["misrouted_notifs"] += 1
             return

@@ -23,6 +23,7 @@ from connector.core import events as ev
 from connector.core.errors import LayoutError
 from connector.core.layout import KVLayout, Region, head_range
 from connector.core.messages import PeerAddr
+from connector.doorbell import Doorbell
 from connector.kv_params import agent_name
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.peers import Peers
@@ -117,7 +118,8 @@ class WorkerSide:
         name = agent_name(self.engine_id, self.tp_rank, uuid.uuid4().hex[:8])
         self._transport = NixlTransport(name, listen_host=host, listen_port=port)
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
-        peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9))
+        bell = Doorbell.open(host, self._transport.listen_address[1]) if self.cfg.doorbells else None
+        peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9), bell=bell)
         me = RankInfo(self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port))
         spans = self._spans()
         sender = receiver = None
@@ -128,7 +130,8 @@ class WorkerSide:
             receiver = Receiver(me, layout, peers, self.cfg.receiver_policy(), spans=spans)
         self.thread = TransferThread(self._transport, peers, sender=sender, receiver=receiver,
                                      name=f"pushkv-{name}", hot_max_s=self.cfg.poll_hot_max_s,
-                                     idle_s=self.cfg.poll_idle_s)
+                                     idle_s=self.cfg.poll_idle_s, bell=bell,
+                                     bell_fallback_s=self.cfg.poll_bell_fallback_s)
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info("pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",
@@ -216,9 +219,9 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         if self.thread is not None:
+            self.thread.stop()  # first: it adds its doorbell's counters
             logger.info("pushkv worker rank %d counters: %s", self.tp_rank,
                         dict(self.thread.counters))
-            self.thread.stop()
         if self._transport is not None:
             self._transport.close()
         self.thread = self._transport = None

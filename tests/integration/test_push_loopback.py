@@ -208,3 +208,20 @@ def test_idle_pair_uses_under_5_percent_of_a_core(cluster: Callable[..., RankPro
         share = (_proc_cpu_s(x.pid) - before[x.pid]) / elapsed
         print(f"{x.spec.agent}: {share:.2%} of a core while idle")
         assert share < 0.05, f"{x.spec.agent} used {share:.1%} of a core while idle"
+
+
+@pytest.mark.parametrize("p_bell, d_bell", [(True, True), (True, False), (False, True)],
+                         ids=["both", "d-without", "p-without"])
+def test_doorbells_wake_both_sides_and_a_peer_without_one_is_only_slower(
+        cluster: Callable[..., RankProcess], p_bell: bool, d_bell: bool) -> None:
+    p, d = cluster("P", "prefill", doorbell=p_bell), cluster("D", "decode", doorbell=d_bell)
+    blocks = dict(p_blocks=(1, 2), d_blocks=(7, 3), num_tokens=32)
+    run_transfer([p], [d], tid="bell-0", **blocks)
+    check_bytes([p], [d], **blocks)
+    run_transfer([p], [d], tid="bell-1", registration_first=False, p_blocks=(5, 6),
+                 d_blocks=(17, 13), num_tokens=32)
+    p_heard = p.call("counters")[0].get("bell_heard", 0)
+    d_heard = d.call("counters")[0].get("bell_heard", 0)
+    # D's registrations ring P; P rings D when it posts a WRITE.
+    assert (p_heard >= 2) == (p_bell and d_bell), f"P heard {p_heard} bells"
+    assert (d_heard >= 2) == (p_bell and d_bell), f"D heard {d_heard} bells"

@@ -1,0 +1,180 @@
+"""Doorbells (connector.doorbell) on real UDP sockets, who rings them (Peers, Sender), and
+the transfer thread's sleep policy (``Backoff``, pure)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connector.core import events as ev
+from connector.doorbell import MESSAGE, WRITE, Doorbell, write_key
+from connector.transfer_thread import Backoff, TransferThread
+from tests.unit.test_endpoints import Pair
+
+BOUND_S = 5.0  # a datagram on loopback takes microseconds; this only bounds a failure
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def bells():
+    a = Doorbell("127.0.0.1", _free_udp_port())
+    b = Doorbell("127.0.0.1", _free_udp_port())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_ring_wakes_the_peer_and_one_wait_drains_every_ring(bells) -> None:
+    a, b = bells
+    a.ring(*b.address)
+    a.ring(*b.address, WRITE + write_key(1, "t-9"))
+    a.ring(*b.address, MESSAGE)
+    # One wait may return before the last datagram is in: collect until all three are.
+    rings, writes = 0, []
+    deadline = time.monotonic() + BOUND_S
+    while rings < 3 and time.monotonic() < deadline:
+        woken, r, w = b.wait(BOUND_S)
+        assert woken, f"no wake-up within {BOUND_S} s"
+        rings, writes = rings + r, writes + w
+    assert (rings, writes) == (3, [b"1:t-9"]), f"heard {rings} rings, WRITEs {writes}"
+    assert b.counters["heard"] == 3 and b.counters["heard_write"] == 1
+    assert a.counters["rung"] == 3
+    t0 = time.monotonic()
+    assert b.wait(0.02) == (False, 0, []), "every ring was drained"
+    assert time.monotonic() - t0 >= 0.015, "an empty wait returned before its timeout"
+
+
+def test_a_local_wake_from_another_thread_is_not_a_ring(bells) -> None:
+    _, b = bells
+    threading.Thread(target=b.wake).start()
+    assert b.wait(BOUND_S) == (True, 0, [])
+    assert b.counters["heard"] == 0
+
+
+def test_ringing_nobody_or_a_closed_bell_never_raises(bells) -> None:
+    a, b = bells
+    host, port = b.address
+    b.close()
+    a.ring(host, port)  # ICMP port unreachable may come back to a's socket
+    a.ring("127.0.0.1", _free_udp_port())
+    a.wait(0.01)
+    assert a.counters["heard"] == 0
+
+
+def test_a_taken_port_gives_no_doorbell_instead_of_failing(bells) -> None:
+    a, _ = bells
+    assert Doorbell.open(*a.address) is None
+
+
+class RecordingBell:
+    def __init__(self) -> None:
+        self.rings: list[tuple[str, int, bytes]] = []
+
+    def ring(self, host: str, port: int, what: bytes = MESSAGE) -> None:
+        self.rings.append((host, port, what))
+
+
+def test_d_rings_p_with_its_registration_and_p_rings_d_when_it_posts_the_write() -> None:
+    pair = Pair()
+    p_bell, d_bell = RecordingBell(), RecordingBell()
+    pair.sender.peers._bell = p_bell  # type: ignore[assignment]
+    pair.receiver.peers._bell = d_bell  # type: ignore[assignment]
+    p_at, d_at = (pair.p_spec.addr.host, pair.p_spec.port), (pair.d_spec.addr.host, pair.d_spec.port)
+    pair.expect("t", 40, (9, 3, 5))
+    pair.pump()
+    assert d_bell.rings == [(*p_at, MESSAGE)], "D's registration went out without a ring"
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2, 3),), 40), pair.now)
+    pair.pump()
+    assert [(r.transfer_id, r.ok) for r in pair.receiver.finished] == [("t", True)]
+    assert p_bell.rings == [(*d_at, WRITE + write_key(0, "t"))], "P rings D when it posts"
+
+
+def test_an_announced_write_is_awaited_until_its_completion_and_a_late_bell_is_ignored() -> None:
+    pair = Pair()
+    d = TransferThread(pair.td, pair.receiver.peers, receiver=pair.receiver,
+                       bell=RecordingBell())  # type: ignore[arg-type]  (not started)
+    d._heard_writes([b"0:a", b"1:a"], now_s=1.0)
+    d._write_landed(b"0:a", now_s=1.001)
+    assert set(d._incoming) == {b"1:a"}, "rank 1's WRITE of a is still in flight"
+    d._write_landed(b"1:a", now_s=1.002)
+    d._write_landed(b"0:b", now_s=1.003)  # the completion beat its bell
+    d._heard_writes([b"0:b"], now_s=1.004)
+    assert not d._incoming, "a late bell must not start a wait for a WRITE already in"
+    d._heard_writes([b"0:c"], now_s=2.0)  # a WRITE whose completion never comes
+    d._expire_incoming(2.0 + d._incoming_max_s)
+    assert not d._incoming and d.counters["incoming_expired"] == 1
+
+
+# ---------------------------------------------------------------- Backoff (pure)
+HOT_MIN, HOT_MAX, IDLE, FALLBACK, BELL_HOT = 20e-6, 1e-3, 0.05, 0.005, 0.001
+
+
+def _backoff(bell: bool) -> Backoff:
+    return Backoff(HOT_MIN, HOT_MAX, IDLE, FALLBACK if bell else None, bell_hot_s=BELL_HOT)
+
+
+def _quiet(b: Backoff, now: float, **busy: bool) -> float:
+    return b.next(now, active=False, woken=False, rung=False, **busy)
+
+
+def test_without_a_bell_a_wait_on_the_peer_is_polled_fast() -> None:
+    b = _backoff(bell=False)
+    assert b.next(0.0, active=True, woken=False, rung=False, local=False, remote=True) == HOT_MIN
+    delays = [_quiet(b, 0.0, local=False, remote=True) for _ in range(10)]
+    assert delays[0] == 2 * HOT_MIN and delays[-1] == HOT_MAX
+    assert _quiet(b, 0.0, local=False, remote=False) == IDLE
+
+
+def test_with_a_bell_a_wait_on_the_peer_sleeps_until_a_ring_then_polls_fast_briefly() -> None:
+    b = _backoff(bell=True)
+    assert b.next(0.0, active=True, woken=False, rung=False, local=False, remote=True) == FALLBACK
+    assert b.next(1.0, active=False, woken=True, rung=True, local=False, remote=True) == HOT_MIN
+    assert _quiet(b, 1.0 + BELL_HOT / 2, local=False, remote=True) == 2 * HOT_MIN
+    assert _quiet(b, 1.0 + BELL_HOT, local=False, remote=True) == FALLBACK
+    # A ring also wakes a thread with nothing pending for a short look (it may be news).
+    assert b.next(2.0, active=False, woken=True, rung=True, local=False, remote=False) == HOT_MIN
+    assert _quiet(b, 2.0 + BELL_HOT, local=False, remote=False) == IDLE
+    # A ring whose news was in at once needs no second look.
+    assert b.next(3.0, active=True, woken=True, rung=True, local=False, remote=True) == FALLBACK
+    assert b.next(4.0, active=True, woken=True, rung=True, local=False, remote=False) == IDLE
+
+
+def test_local_work_and_incoming_writes_are_polled_fast_with_or_without_a_bell() -> None:
+    for bell in (False, True):
+        for busy in (dict(local=True, remote=True), dict(local=False, remote=True, incoming=True)):
+            b = _backoff(bell)
+            assert b.next(0.0, active=True, woken=False, rung=False, **busy) == HOT_MIN
+            assert max(_quiet(b, 5.0, **busy) for _ in range(20)) == HOT_MAX
+
+
+steps = st.lists(st.tuples(st.floats(0, 0.01), st.booleans(), st.booleans(), st.booleans(),
+                           st.booleans(), st.booleans(), st.booleans()), max_size=60)
+
+
+@given(steps, st.booleans())
+def test_backoff_delays_stay_in_their_bands(seq, bell: bool) -> None:
+    b, now = _backoff(bell), 0.0
+    for dt, active, woken, rung, local, remote, incoming in seq:
+        now += dt
+        rung = rung and bell  # only a doorbell rings
+        incoming = incoming and bell
+        d = b.next(now, active=active, woken=woken or rung, rung=rung, local=local,
+                   remote=remote, incoming=incoming)
+        if local or incoming:
+            assert HOT_MIN <= d <= HOT_MAX, "local work must be polled fast"
+        elif remote and not bell:
+            assert HOT_MIN <= d <= HOT_MAX, "no bell: the peer is polled fast"
+        elif rung and not active:
+            assert d == HOT_MIN, "a ring that brought nothing is answered by fast polls"
+        assert d in (IDLE, FALLBACK) or HOT_MIN <= d <= HOT_MAX
+        assert bell or d != FALLBACK
