@@ -33,8 +33,9 @@ def awaiting_kv(p: RankProcess, d: RankProcess, seconds: float) -> tuple[float, 
     c0, t0 = d.cpu_seconds(), time.monotonic()
     time.sleep(seconds)  # measuring an interval, not waiting for an event
     idle = (d.cpu_seconds() - c0) / (time.monotonic() - t0)
+    held = p.call("counters")[3]  # transfers in P's table
     d.submit(expected_event("never", [p.spec], d.spec, (1, 2, 3), 48))
-    time.sleep(0.5)  # let the registration go out first
+    p.wait("D's registration", lambda r: r.call("counters")[3] > held, 10)
     c0, t0 = d.cpu_seconds(), time.monotonic()
     time.sleep(seconds)
     return idle, (d.cpu_seconds() - c0) / (time.monotonic() - t0)

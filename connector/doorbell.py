@@ -11,13 +11,15 @@ now also sends one UDP datagram to our listen port number; our thread, asleep in
 WRITE's completion is in (it may need our UCX progress). A bell is only a hint: it moves
 no data and decides nothing; a forged one costs polls for at most 50 ms; the thread still
 polls every ``poll_bell_fallback_s`` while it waits on a peer, so a peer without doorbells
-(or a dropped datagram) is only slower. Measured (2-core VM, loopback): D waiting for KV
-used 1.0 % of a core instead of 3.6-5.1 %.
+(or a dropped datagram) is only slower. Measured (``python bench/poll_cost.py
+[--no-doorbell]``, 2-core VM, loopback): D waiting for KV used 1.7-2.4 % of a core instead
+of 6.5-7.7 %.
 
 Owns: the UDP socket (bound to the transport's host and listen port number: TCP and UDP
 ports are separate, so the peer needs no new address), the local wake-up of the engine
-side (``wake``, thread-safe) and the counters. Used only by ``TransferThread`` (``wait``,
-``wake``) and ``Peers`` (``ring``).
+side (``wake``, thread-safe), the counters, and ``IncomingWrites`` (which announced WRITEs
+are still in flight; pure). Used only by ``TransferThread`` (``wait``, ``wake``) and
+``Peers`` (``ring``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import select
 import socket
 from collections import Counter
+from collections.abc import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -122,3 +125,42 @@ class Doorbell:
     def close(self) -> None:
         for s in (self._udp, self._wake_r, self._wake_w):
             s.close()
+
+
+class IncomingWrites:
+    """Peers' WRITEs into us (``write_key``) that a bell announced and whose completion has
+    not come: the thread polls fast while any is ``pending``, but no longer than
+    ``max_wait_s`` after its bell (a peer that died mid-WRITE, a forged bell). A completion
+    can beat its bell (the two travel apart): it is remembered as landed for ``max_wait_s``,
+    so the late bell starts no wait. Pure: the clock is an argument."""
+
+    def __init__(self, counters: Counter[str], max_wait_s: float = 0.05,
+                 max_tracked: int = 4096) -> None:
+        self.counters = counters
+        self.max_wait_s, self.max_tracked = max_wait_s, max_tracked
+        self._until: dict[bytes, float] = {}  # announced, not landed: key -> give up at
+        self._landed: dict[bytes, float] = {}  # landed before its bell: key -> when
+
+    def announced(self, keys: Iterable[bytes], now_s: float) -> None:
+        for key in keys:
+            if self._landed.pop(key, None) is not None:
+                continue  # its completion is in already
+            if len(self._until) >= self.max_tracked:  # a flood of forged bells
+                self.counters["incoming_dropped"] += 1
+                continue
+            self._until[key] = now_s + self.max_wait_s
+
+    def landed(self, key: bytes, now_s: float) -> None:
+        if self._until.pop(key, None) is None:  # its bell has not come (yet)
+            self._landed[key] = now_s
+
+    def pending(self, now_s: float) -> bool:
+        """Any announced WRITE still in flight (forgets those past ``max_wait_s``)."""
+        if self._until:
+            for key in [k for k, until in self._until.items() if until <= now_s]:
+                del self._until[key]
+                self.counters["incoming_expired"] += 1
+        if self._landed:
+            for key in [k for k, t in self._landed.items() if t + self.max_wait_s <= now_s]:
+                del self._landed[key]
+        return bool(self._until)

@@ -30,15 +30,13 @@ from typing import Any, Protocol
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
-from connector.doorbell import Doorbell, write_key
+from connector.doorbell import Doorbell, IncomingWrites, write_key
 from connector.peers import Peers
 from connector.receiving import Received, Receiver
 from connector.sending import Sender
 from connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
-
-_MAX_INCOMING = 4096  # announced WRITEs tracked at once; far above any real fan-in
 
 
 @dataclass(frozen=True)
@@ -156,13 +154,6 @@ class TransferThread:
         self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
         self._bell = bell
         self._wake: _Waker = bell if bell is not None else _EventWaker()
-        # Peers' WRITEs into us (write_key -> until when) announced by a bell whose
-        # completion has not come: polled fast until it does, or at most _incoming_max_s
-        # (a peer that died mid-WRITE). _landed: completions whose bell may still come
-        # (the two travel apart), so a late bell does not start a wait for nothing.
-        self._incoming: dict[bytes, float] = {}
-        self._landed: dict[bytes, float] = {}
-        self._incoming_max_s = 0.05
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._sent: list[str] = []
@@ -171,6 +162,7 @@ class TransferThread:
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self.counters: Counter[str] = Counter()
+        self._incoming = IncomingWrites(self.counters) if bell is not None else None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ------------------------------------------------------------------ engine side
@@ -254,33 +246,13 @@ class TransferThread:
                 logger.exception("Transfer thread iteration failed; continuing")
                 active = False
             now_s = self._clock() / 1e9
-            if self._incoming or self._landed:
-                self._expire_incoming(now_s)
+            incoming = self._incoming is not None and self._incoming.pending(now_s)
             delay = self._backoff.next(now_s, active=active, woken=woken, rung=rings > 0,
                                        local=self._local_busy(), remote=self._remote_busy(),
-                                       incoming=bool(self._incoming))
+                                       incoming=incoming)
             woken, rings, writes = self._wake.wait(delay)
-            if writes:
-                self._heard_writes(writes, self._clock() / 1e9)
-
-    def _heard_writes(self, keys: list[bytes], now_s: float) -> None:
-        for key in keys:
-            if self._landed.pop(key, None) is None:  # not in already (its bell was late)
-                if len(self._incoming) >= _MAX_INCOMING:  # a flood of forged bells
-                    self.counters["incoming_dropped"] += 1
-                    continue
-                self._incoming[key] = now_s + self._incoming_max_s
-
-    def _write_landed(self, key: bytes, now_s: float) -> None:
-        if self._incoming.pop(key, None) is None:  # its bell has not come (yet)
-            self._landed[key] = now_s
-
-    def _expire_incoming(self, now_s: float) -> None:
-        for key in [k for k, until in self._incoming.items() if until <= now_s]:
-            del self._incoming[key]
-            self.counters["incoming_expired"] += 1
-        for key in [k for k, t in self._landed.items() if t + self._incoming_max_s <= now_s]:
-            del self._landed[key]
+            if writes and self._incoming is not None:
+                self._incoming.announced(writes, self._clock() / 1e9)
 
     def _local_busy(self) -> bool:
         """Work of ours that needs UCX progress to finish: a dial, a WRITE in flight."""
@@ -360,8 +332,8 @@ class TransferThread:
             target: Sender | Receiver | None = self.sender
         else:
             target = self.receiver
-            if isinstance(msg, (m.Completion, m.Fail)) and self._bell is not None:
-                self._write_landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
+            if isinstance(msg, (m.Completion, m.Fail)) and self._incoming is not None:
+                self._incoming.landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
         if target is None:
             self.counters["misrouted_notifs"] += 1
             return

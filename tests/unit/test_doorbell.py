@@ -6,14 +6,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.core import events as ev
-from connector.doorbell import MESSAGE, WRITE, Doorbell, write_key
-from connector.transfer_thread import Backoff, TransferThread
+from connector.doorbell import MESSAGE, WRITE, Doorbell, IncomingWrites, write_key
+from connector.transfer_thread import Backoff
 from tests.unit.test_endpoints import Pair
 
 BOUND_S = 5.0  # a datagram on loopback takes microseconds; this only bounds a failure
@@ -100,19 +101,26 @@ def test_d_rings_p_with_its_registration_and_p_rings_d_when_it_posts_the_write()
 
 
 def test_an_announced_write_is_awaited_until_its_completion_and_a_late_bell_is_ignored() -> None:
-    pair = Pair()
-    d = TransferThread(pair.td, pair.receiver.peers, receiver=pair.receiver,
-                       bell=RecordingBell())  # type: ignore[arg-type]  (not started)
-    d._heard_writes([b"0:a", b"1:a"], now_s=1.0)
-    d._write_landed(b"0:a", now_s=1.001)
-    assert set(d._incoming) == {b"1:a"}, "rank 1's WRITE of a is still in flight"
-    d._write_landed(b"1:a", now_s=1.002)
-    d._write_landed(b"0:b", now_s=1.003)  # the completion beat its bell
-    d._heard_writes([b"0:b"], now_s=1.004)
-    assert not d._incoming, "a late bell must not start a wait for a WRITE already in"
-    d._heard_writes([b"0:c"], now_s=2.0)  # a WRITE whose completion never comes
-    d._expire_incoming(2.0 + d._incoming_max_s)
-    assert not d._incoming and d.counters["incoming_expired"] == 1
+    counters: Counter[str] = Counter()
+    w = IncomingWrites(counters, max_wait_s=0.05)
+    w.announced([b"0:a", b"1:a"], now_s=1.0)
+    w.landed(b"0:a", now_s=1.001)
+    assert w.pending(1.001), "rank 1's WRITE of a is still in flight"
+    w.landed(b"1:a", now_s=1.002)
+    assert not w.pending(1.002)
+    w.landed(b"0:b", now_s=1.003)  # the completion beat its bell
+    w.announced([b"0:b"], now_s=1.004)
+    assert not w.pending(1.004), "a late bell must not start a wait for a WRITE already in"
+    w.announced([b"0:c"], now_s=2.0)  # a WRITE whose completion never comes
+    assert w.pending(2.0) and not w.pending(2.05)
+    assert counters["incoming_expired"] == 1
+
+
+def test_a_flood_of_announced_writes_is_capped() -> None:
+    counters: Counter[str] = Counter()
+    w = IncomingWrites(counters, max_tracked=3)
+    w.announced([b"0:%d" % i for i in range(5)], now_s=0.0)
+    assert counters["incoming_dropped"] == 2 and w.pending(0.0)
 
 
 # ---------------------------------------------------------------- Backoff (pure)
