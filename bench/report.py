@@ -1,5 +1,6 @@
 """Results of the push-vs-pull benchmark: the record per (configuration, concurrency), the
-ratios of push against each vLLM configuration, the target check, and their rendering.
+ratios of push against each vLLM configuration, the target check, and their rendering;
+the median over repeated rounds (``median_results``, ``round_tally``).
 
 Owns: ``LevelResult`` (one ``vllm bench serve`` run's numbers, read from its saved JSON, or
 why there are none), ``ratios``, ``target_verdicts`` and the Markdown / rich renderings.
@@ -11,6 +12,7 @@ Pure: no processes, no I/O besides ``rich`` printing to the console it is given.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -81,6 +83,54 @@ class LevelResult:
         return asdict(self)
 
 
+def median_results(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]:
+    """One result per (config, concurrency) over repeated rounds: each metric the median of
+    the rounds that produced numbers, ``completed``/``failed`` summed; failed rounds leave
+    it out (a cell where every round failed stays failed, with the first reason)."""
+    cells: dict[tuple[str, int], list[LevelResult]] = {}
+    for results in rounds:
+        for r in results:
+            cells.setdefault((r.config, r.concurrency), []).append(r)
+    out = []
+    for (config, conc), rs in cells.items():
+        good = [r for r in rs if r.ok]
+        if not good:
+            out.append(LevelResult.failure(config, conc, rs[0].num_prompts, rs[0].reason))
+            continue
+        keys = {k for r in good for k in r.metrics}
+        out.append(LevelResult(
+            config, conc, good[0].num_prompts, True,
+            reason="" if len(good) == len(rs) else f"{len(rs) - len(good)} of {len(rs)} rounds failed",
+            metrics={k: statistics.median(r.metrics[k] for r in good if k in r.metrics)
+                     for k in sorted(keys)},
+            completed=sum(r.completed for r in good), failed=sum(r.failed for r in good)))
+    return out
+
+
+def round_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
+    """Per concurrency and target comparison: in how many rounds push was at least as good,
+    and the per-round ratios (the spread a median hides)."""
+    lines = []
+    concs = sorted({r.concurrency for rs in rounds for r in rs})
+    for conc in concs:
+        for other, need in ((TARGET_DEFAULT_CONFIG, TARGET_VS_DEFAULT),
+                            *((c, 1.0) for c in TARGET_NO_WORSE_CONFIGS)):
+            for key in TARGET_KEYS:
+                xs = []
+                for results in rounds:
+                    table = _by_key(results)
+                    push, r = table.get((BASELINE, conc)), table.get((other, conc))
+                    if push is not None and r is not None:
+                        xs.append(ratio(key, push, r))
+                made = [x for x in xs if x is not None]
+                if not xs:
+                    continue
+                lines.append(f"c={conc} vs {other} {key.removesuffix('_ms')}: push >= {need:g}x "
+                             f"in {sum(x >= need for x in made)} of {len(made)} rounds ("
+                             + ", ".join("n/a" if x is None else f"{x:.2f}x" for x in xs) + ")")
+    return lines
+
+
 def _by_key(results: Sequence[LevelResult]) -> dict[tuple[str, int], LevelResult]:
     return {(r.config, r.concurrency): r for r in results}
 
@@ -117,7 +167,7 @@ def target_verdicts(results: Sequence[LevelResult]) -> list[str]:
         if push is None or not push.ok:
             lines.append(f"c={conc}: push has no numbers; target not evaluated")
             continue
-        parts, met, evaluated = [], True, 0
+        parts, met, evaluated, missing = [], True, 0, 0
         for other, need in ((TARGET_DEFAULT_CONFIG, TARGET_VS_DEFAULT),
                             *((c, 1.0) for c in TARGET_NO_WORSE_CONFIGS)):
             r = table.get((other, conc))
@@ -127,6 +177,7 @@ def target_verdicts(results: Sequence[LevelResult]) -> list[str]:
                 x = ratio(key, push, r)
                 if x is None:
                     parts.append(f"{other} {key}: n/a ({r.reason or 'no number'})")
+                    missing += 1
                     continue
                 ok = x >= need
                 met &= ok
@@ -137,7 +188,10 @@ def target_verdicts(results: Sequence[LevelResult]) -> list[str]:
             lines.append(f"c={conc}: no {TARGET_DEFAULT_CONFIG} or progress-thread-off "
                          f"configuration in this run; target not evaluated")
             continue
-        verdict = "NOT EVALUATED" if not evaluated else "MET" if met else "NOT MET"
+        # A comparison that could not be made never counts as met: a stack that failed
+        # to start must not turn the cell green.
+        verdict = ("NOT MET" if not met else "NOT EVALUATED" if not evaluated
+                   else "INCOMPLETE" if missing else "MET")
         lines.append(f"c={conc}: {verdict}: " + "; ".join(parts))
     return lines
 

@@ -39,8 +39,10 @@ from typing import Any
 from bench.report import (
     LevelResult,
     markdown_report,
+    median_results,
     print_rich,
     ratios,
+    round_tally,
     target_verdicts,
     tracing_verdicts,
 )
@@ -272,6 +274,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--wait", action=argparse.BooleanOptionalAction, default=None,
                    help="wait until no other vLLM server runs (default: on, off with --quick)")
     p.add_argument("--wait-timeout-s", type=float, default=2400.0)
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every configuration N times in N rounds, the order rotated each "
+                        "round (round-<i>/ holds each); the top report gives the medians and "
+                        "per-round ratios (this box drifts by up to 30 %% between runs)")
     p.add_argument("--rerender", type=Path, default=None, metavar="RUN_DIR",
                    help="start nothing: re-read RUN_DIR's saved vllm bench serve JSON files "
                         "and rewrite its report.md and results.json")
@@ -326,32 +332,81 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pin_servers": args.pin_servers,
     }
     t_start = time.monotonic()
+    if args.repeats <= 1:
+        results = _run_round(names, model, run_dir, workload, log, args.pin_servers, meta)
+        duration = time.monotonic() - t_start
+        _write_json(run_dir, meta, results, duration)
+        _write_report(run_dir, meta, results, duration)
+        print_rich(results)
+        log(f"total {duration:.0f} s; report {run_dir / 'report.md'}; "
+            f"data {run_dir / 'results.json'}")
+        log_file.close()
+        return 0 if all(r.ok for r in results) else 1
+    rounds: list[list[LevelResult]] = []
+    for i in range(args.repeats):
+        # Rotate the order so that no configuration always runs first (or right after the
+        # slowest one): drift over the minutes of a round then falls on each in turn.
+        order = names[i % len(names):] + names[:i % len(names)]
+        round_dir = run_dir / f"round-{i + 1}"
+        round_dir.mkdir(parents=True, exist_ok=True)
+        log(f"round {i + 1} of {args.repeats}: {order}")
+        round_meta = {**meta, "round": i + 1, "configs": {n: meta["configs"][n] for n in order}}
+        t0 = time.monotonic()
+        results = _run_round(order, model, round_dir, workload, log, args.pin_servers, round_meta)
+        _write_json(round_dir, round_meta, results, time.monotonic() - t0)
+        _write_report(round_dir, round_meta, results, time.monotonic() - t0)
+        rounds.append(results)
+    duration = time.monotonic() - t_start
+    medians = median_results(rounds)
+    meta["rounds"] = [f"round-{i + 1}" for i in range(len(rounds))]
+    meta["round_tally"] = round_tally(rounds)
+    _write_json(run_dir, meta, medians, duration)
+    _write_report(run_dir, meta, medians, duration, tally=meta["round_tally"])
+    print_rich(medians)
+    for line in meta["round_tally"]:
+        log(line)
+    log(f"total {duration:.0f} s; medians of {len(rounds)} rounds: report "
+        f"{run_dir / 'report.md'}; data {run_dir / 'results.json'}")
+    log_file.close()
+    return 0 if all(r.ok for rs in rounds for r in rs) else 1
+
+
+def _run_round(names: Sequence[str], model: Path, run_dir: Path, workload: Workload,
+               log: Log, pin_servers: bool, meta: dict[str, Any]) -> list[LevelResult]:
+    """Every configuration of ``names`` once, in that order, into ``run_dir``."""
+    t_start = time.monotonic()
     results: list[LevelResult] = []
     meta["stacks"] = {}
     for name in names:
         t0 = time.monotonic()
-        run = run_config(CONFIGS[name], model, run_dir, workload, log, args.pin_servers)
+        run = run_config(CONFIGS[name], model, run_dir, workload, log, pin_servers)
         results += run.results
         meta["stacks"][name] = {"start_duration_s": run.start_duration_s,
                                 "log_signals": run.log_signals,
                                 "duration_s": round(time.monotonic() - t0, 1)}
         log(f"[{name}] done in {time.monotonic() - t0:.0f} s")
         _write_json(run_dir, meta, results, time.monotonic() - t_start)
-    duration = time.monotonic() - t_start
-    _write_json(run_dir, meta, results, duration)
-    _write_report(run_dir, meta, results, duration)
-    print_rich(results)
-    log(f"total {duration:.0f} s; report {run_dir / 'report.md'}; data {run_dir / 'results.json'}")
-    log_file.close()
-    return 0 if all(r.ok for r in results) else 1
+    return results
 
 
 def rerender(run_dir: Path) -> int:
     """Rebuild ``run_dir``'s report from what it saved (e.g. after a metric column was added):
-    every result's metrics are re-read from its own ``vllm bench serve`` JSON file."""
+    every result's metrics are re-read from its own ``vllm bench serve`` JSON file. A folder
+    of ``--repeats`` rounds has each round rebuilt, then the medians."""
     data = json.loads((run_dir / "results.json").read_text())
     meta = {k: v for k, v in data.items()
             if k not in ("results", "ratios", "target", "duration_s")}
+    if meta.get("rounds"):
+        codes = [rerender(run_dir / name) for name in meta["rounds"]]
+        rounds = [[LevelResult(**raw) for raw in
+                   json.loads((run_dir / name / "results.json").read_text())["results"]]
+                  for name in meta["rounds"]]
+        medians = median_results(rounds)
+        meta["round_tally"] = round_tally(rounds)
+        _write_json(run_dir, meta, medians, data["duration_s"])
+        _write_report(run_dir, meta, medians, data["duration_s"], tally=meta["round_tally"])
+        print_rich(medians)
+        return max(codes)
     results = []
     for raw in data["results"]:
         r = LevelResult(**raw)
@@ -382,7 +437,7 @@ def _arrivals(rate: float | None) -> str:
 
 
 def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
-                  duration_s: float) -> None:
+                  duration_s: float, tally: Sequence[str] = ()) -> None:
     w = meta["workload"]
     preamble = (f"# Push vs pull: `vllm bench serve` through the router\n\n"
                 f"Run {run_dir.name} on {meta['host']} ({meta['cpus']} CPUs), commit "
@@ -391,6 +446,11 @@ def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelRe
                 f"{_arrivals(w.get('request_rate'))}"
                 f"{', P and D servers pinned to their CPU' if meta.get('pin_servers') else ''}; "
                 f"took {duration_s / 60:.1f} min. Command: `{' '.join(meta['argv'])}`.\n")
+    if tally:
+        preamble += (f"\nEvery number below is the median over {len(meta['rounds'])} rounds "
+                     f"({', '.join(meta['rounds'])}/ hold each round's own report); push "
+                     f"against each baseline, round by round:\n\n"
+                     + "".join(f"- {line}\n" for line in tally))
     (run_dir / "report.md").write_text(markdown_report(results, preamble))
 
 

@@ -161,7 +161,8 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
                 endpoint = thread.sender or thread.receiver
                 bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
                 conn.send(("ok", {**thread.counters, **bells}, dict(endpoint.counters),
-                           dict(endpoint.table.dropped), len(endpoint.table)))
+                           dict(endpoint.table.dropped), len(endpoint.table),
+                           dict(getattr(transport, "counters", {}))))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
     finally:

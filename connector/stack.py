@@ -30,6 +30,9 @@ from typing import IO, Any, Protocol, Self
 import httpx
 
 from connector.core.errors import PushkvError
+from connector.ports import free_port
+
+__all__ = ["free_port"]  # re-exported: the stacks' callers pick ports through here
 
 KV_CACHE_MEMORY_BYTES = 256 << 20  # 256 MiB: RSS about 2.2 GiB per server (vs 2.9 with 1 GiB)
 
@@ -48,13 +51,6 @@ SHUTDOWN_TIMEOUT_S = 5  # vLLM's --shutdown-timeout: engines exit on their own, 
 
 class ServerError(PushkvError):
     """A managed server failed to start, exited early or did not become healthy in time."""
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (bind 127.0.0.1:0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -8,18 +8,12 @@ tiny test model (2 KV heads, head_dim 64, bf16, K|V packed), DRAM on loopback.
 from __future__ import annotations
 
 import random
-import socket
 import statistics
 import time
 
 from connector.core import events as ev
 from connector.loopback import RankProcess, RankSpec, expected_event
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from connector.ports import free_port
 
 
 def run_transport_demo(prompt_tokens: tuple[int, ...] = (256, 1024, 4096), repeats: int = 10,
@@ -31,8 +25,8 @@ def run_transport_demo(prompt_tokens: tuple[int, ...] = (256, 1024, 4096), repea
     shape = dict(num_layers=num_layers, num_blocks=1024, block_size=block_size, num_kv_heads=2,
                  token_bytes=2 * 64 * 2)
     with console.status("starting a P and a D process (NIXL agents on loopback)..."):
-        p = RankProcess(RankSpec("P", "prefill", 0, 1, _free_port(), **shape))
-        d = RankProcess(RankSpec("D", "decode", 0, 1, _free_port(), **shape))
+        p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), **shape))
+        d = RankProcess(RankSpec("D", "decode", 0, 1, free_port(), **shape))
     rows = []
     rng = random.Random(0)
     try:

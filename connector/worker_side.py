@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import time
 import uuid
 from typing import Any
@@ -27,6 +26,7 @@ from connector.doorbell import Doorbell
 from connector.kv_params import agent_name
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.peers import Peers
+from connector.ports import free_port
 from connector.receiving import Receiver
 from connector.sending import Sender
 from connector.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans, engine_tracer
@@ -82,12 +82,6 @@ def describe_kv_caches(kv_caches: dict[str, Any], group_of: dict[str, int],
     return layout
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class WorkerSide:
     def __init__(self, cfg: PushkvConfig, engine_id: str, is_producer: bool, is_consumer: bool,
                  tp_rank: int, tp_size: int, num_kv_heads: int, logical_block_size: int,
@@ -114,7 +108,7 @@ class WorkerSide:
                               f"of the kernel block size {layout.block_size}")
         self._ratio = self._logical_block_size // layout.block_size
         host = self.cfg.side_channel_host
-        port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else _free_port(host)
+        port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else free_port(host)
         name = agent_name(self.engine_id, self.tp_rank, uuid.uuid4().hex[:8])
         self._transport = NixlTransport(name, listen_host=host, listen_port=port)
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,17 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from connector.ports import free_port
 from dashboard.launch import command
 from tests.fixtures.traces import run_dirs
 
 CHROMIUM = Path("/usr/bin/chromium")
 START_TIMEOUT_S = 90  # a loaded 2-core box can take tens of seconds to import streamlit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:

@@ -8,10 +8,11 @@ by PID) at teardown. Must not import nixl at module level.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Iterator
 
 import pytest
+
+from connector.ports import free_port
 
 # Loopback only; tcp must be present (UCX's "peer" error mode needs a transport that can
 # detect a dead peer). Children inherit this environment at spawn.
@@ -19,13 +20,6 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from nixl_peers import PeerProcess  # noqa: E402  (after the env defaults, on purpose)
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (bind 127.0.0.1:0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -77,3 +77,38 @@ def test_aggregate_names_a_folder_without_results(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert aggregate.main([str(tmp_path / "nowhere")]) == 2
     assert "no results.json in" in capsys.readouterr().err
+
+
+def test_repeats_rotate_the_order_and_report_the_medians(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import serve_bench
+    from bench.report import LevelResult
+
+    calls: list[tuple[str, str]] = []
+    ttft = {"push": iter([60.0, 80.0, 70.0]), "vllm-push-noprog": iter([120.0, 100.0, 110.0])}
+
+    def fake_run_config(config, model, run_dir, workload, log, pin_servers):  # noqa: ANN001
+        calls.append((run_dir.name, config.name))
+        result = LevelResult(config.name, 16, 8, True, metrics={
+            "median_ttft_ms": next(ttft[config.name]), "mean_tpot_ms": 8.0})
+        return serve_bench.ConfigRun([result], 1.0, {})
+
+    monkeypatch.setattr(serve_bench, "run_config", fake_run_config)
+    monkeypatch.setattr(serve_bench, "make_tiny_model", lambda: tmp_path / "model")
+    code = serve_bench.main(["--configs", "push", "vllm-push-noprog", "--levels", "16:8",
+                             "--repeats", "3", "--no-wait", "--run-dir", str(tmp_path / "run")])
+    assert code == 0
+    assert calls == [("round-1", "push"), ("round-1", "vllm-push-noprog"),
+                     ("round-2", "vllm-push-noprog"), ("round-2", "push"),
+                     ("round-3", "push"), ("round-3", "vllm-push-noprog")]
+    top = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {r["config"]: r["metrics"]["median_ttft_ms"] for r in top["results"]} == {
+        "push": 70.0, "vllm-push-noprog": 110.0}
+    assert top["rounds"] == ["round-1", "round-2", "round-3"]
+    assert (tmp_path / "run" / "round-2" / "report.md").is_file()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "median over 3 rounds" in report and "in 3 of 3 rounds" in report
+    # --rerender rebuilds each round, then the medians, from the saved files alone.
+    (tmp_path / "run" / "report.md").unlink()
+    assert serve_bench.main(["--rerender", str(tmp_path / "run")]) == 0
+    assert "median over 3 rounds" in (tmp_path / "run" / "report.md").read_text()
