@@ -13,7 +13,7 @@ Pure: no processes, no I/O besides ``rich`` printing to the console it is given.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -85,7 +85,8 @@ class LevelResult:
 
 def median_results(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]:
     """One result per (config, concurrency) over repeated rounds: each metric the median of
-    the rounds that produced numbers, ``completed``/``failed`` summed; failed rounds leave
+    the rounds that produced numbers, ``completed``, ``failed`` and D's prompt tokens by
+    source summed; failed rounds leave
     it out (a cell where every round failed stays failed, with the first reason)."""
     cells: dict[tuple[str, int], list[LevelResult]] = {}
     for results in rounds:
@@ -103,8 +104,17 @@ def median_results(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]
             reason="" if len(good) == len(rs) else f"{len(rs) - len(good)} of {len(rs)} rounds failed",
             metrics={k: statistics.median(r.metrics[k] for r in good if k in r.metrics)
                      for k in sorted(keys)},
-            completed=sum(r.completed for r in good), failed=sum(r.failed for r in good)))
+            completed=sum(r.completed for r in good), failed=sum(r.failed for r in good),
+            decode_prompt_tokens=_summed(r.decode_prompt_tokens for r in good)))
     return out
+
+
+def _summed(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 def round_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
@@ -267,7 +277,7 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 
 def markdown_report(results: Sequence[LevelResult], preamble: str = "") -> str:
     """The whole report: the results table, the ratio table and the target verdicts."""
-    parts = [preamble.rstrip()] if preamble else []
+    parts = [preamble.rstrip(), ""] if preamble else []  # a heading after a list needs a gap
     ratio_title = ("## Push vs each vLLM configuration (> 1: push better; latencies "
                    "other/push, throughput push/other)")
     target_title = (f"## Target (push median TTFT and mean TPOT >= {TARGET_VS_DEFAULT:g}x "

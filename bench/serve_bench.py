@@ -257,7 +257,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="configurations to run, in this order (default: "
                         f"{' '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--levels", nargs="+", default=None, metavar="CONC:PROMPTS",
-                   help="concurrency levels, e.g. 4:48 16:128 (the default)")
+                   help="concurrency levels, e.g. 4:160 16:480 (the default)")
     p.add_argument("--request-rate", type=float, default=None, metavar="REQ_PER_S",
                    help="open loop: Poisson arrivals at this mean rate at every level (still "
                         "capped at its concurrency), the same offered load for every stack; "

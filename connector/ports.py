@@ -1,6 +1,6 @@
 """Picking a free port for a server that some other process will bind later.
 
-Owns: ``free_port``. Binding port 0 returns a port from the kernel's ephemeral range, where
+Owns: ``free_port`` and ``port_is_free``. Binding port 0 returns a port from the kernel's ephemeral range, where
 any outgoing connection's automatic bind may take it before the server binds: seen here as
 vLLM's NIXL handshake listener dying with "Address already in use" and its engine hanging
 for the whole start-up timeout. So ports are drawn below that range (where no automatic bind
@@ -33,16 +33,25 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _bindable(port: int, host: str) -> bool:
-    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
-        with socket.socket(socket.AF_INET, kind) as s:
-            if kind == socket.SOCK_STREAM:  # as servers bind: TIME_WAIT leftovers don't count
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                return False
+def _bindable(port: int, host: str, kind: int = socket.SOCK_STREAM) -> bool:
+    with socket.socket(socket.AF_INET, kind) as s:
+        if kind == socket.SOCK_STREAM:  # as uvicorn binds: TIME_WAIT leftovers don't count
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
     return True
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if nothing accepts TCP connections on ``port`` and a server could bind it again
+    (TIME_WAIT leftovers do not count as busy)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        if s.connect_ex((host, port)) == 0:
+            return False
+    return _bindable(port, host)
 
 
 def _kernel_port(host: str) -> int:
@@ -60,7 +69,8 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
         if lo - FLOOR >= 1000:
             for _ in range(attempts):
                 port = _rng.randrange(FLOOR, lo)
-                if port not in _handed and _bindable(port, host):
+                if (port not in _handed and _bindable(port, host)
+                        and _bindable(port, host, socket.SOCK_DGRAM)):
                     _handed.add(port)
                     return port
         while (port := _kernel_port(host)) in _handed:

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,9 +29,8 @@ from typing import IO, Any, Protocol, Self
 import httpx
 
 from connector.core.errors import PushkvError
-from connector.ports import free_port
-
-__all__ = ["free_port"]  # re-exported: the stacks' callers pick ports through here
+# Re-exported: the stacks' callers pick and check ports through here.
+from connector.ports import free_port, port_is_free  # noqa: F401
 
 KV_CACHE_MEMORY_BYTES = 256 << 20  # 256 MiB: RSS about 2.2 GiB per server (vs 2.9 with 1 GiB)
 
@@ -51,24 +49,6 @@ SHUTDOWN_TIMEOUT_S = 5  # vLLM's --shutdown-timeout: engines exit on their own, 
 
 class ServerError(PushkvError):
     """A managed server failed to start, exited early or did not become healthy in time."""
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True if nothing accepts connections on ``port`` and a server could bind it again.
-
-    SO_REUSEADDR as uvicorn sets it, so TIME_WAIT leftovers do not count as busy.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        if s.connect_ex((host, port)) == 0:
-            return False
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def tail_lines(path: Path, n: int) -> str:

@@ -113,7 +113,8 @@ class Backends:
                 base_url=b.url,
                 timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
                 limits=httpx.Limits(max_connections=c.max_connections,
-                                    max_keepalive_connections=c.max_connections),
+                                    max_keepalive_connections=c.max_connections,
+                                    keepalive_expiry=c.keepalive_expiry_s),
                 # Never route P/D traffic through an HTTP(S)_PROXY from the environment.
                 trust_env=False,
             )

@@ -99,6 +99,10 @@ class RouterConfig:
     # Per backend. Each routed request holds one connection to its P and one to its D; the
     # head-room over ~64 concurrent requests covers health checks, probes and /v1/models.
     max_connections: int = 80
+    # An idle pooled connection is dropped after this long: below the servers' own keep-alive
+    # timeout (uvicorn's and vLLM's default, 5 s), so the router never sends a leg down a
+    # connection the server is closing at that moment (httpx's default is also 5 s).
+    keepalive_expiry_s: float = 2.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -114,7 +118,7 @@ class RouterConfig:
                               f"{len(self.prefill_urls)} prefill URLs")
         object.__setattr__(self, "prefill_overrides", tuple(overrides))
         for name in ("timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
-                     "probe_timeout_s"):
+                     "probe_timeout_s", "keepalive_expiry_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_connections < 1:

@@ -66,6 +66,11 @@ def test_medians_over_rounds_skip_failed_rounds_and_keep_all_failed_cells_failed
                                   "mean_tpot_ms": 8.0}
     assert by["vllm-push-noprog"].ok and by["vllm-push-noprog"].metrics["median_ttft_ms"] == 140.0
     assert by["vllm-push-noprog"].reason == "1 of 3 rounds failed"
+    assert by["push"].completed == 0 and by["push"].decode_prompt_tokens == {}
+    with_tokens = [[LevelResult("push", 16, 8, True, metrics={"mean_tpot_ms": 8.0}, completed=8,
+                                decode_prompt_tokens={"external_kv_transfer": 2048.0})]] * 2
+    (both,) = median_results(with_tokens)
+    assert both.completed == 16 and both.decode_prompt_tokens == {"external_kv_transfer": 4096.0}
     (gone,) = median_results([[failed("vllm-push-noprog")], [failed("vllm-push-noprog")]])
     assert not gone.ok and gone.reason == "stack did not start"
 

@@ -167,6 +167,22 @@ async def test_p_5xx_while_d_works_cancels_d(cluster: MakeCluster) -> None:
     assert s["decode"][0]["outstanding"] == 0 and s["prefill"][0]["outstanding"] == 0
 
 
+async def test_the_only_p_stays_in_use_after_one_failed_leg(cluster: MakeCluster) -> None:
+    # One dropped connection must not turn every request into a 503 until the next health
+    # check: a suspect backend is used while no healthy one is left.
+    c = await cluster()
+    d = c.d[0]
+    d.gate = asyncio.Event()
+    c.p[0].gate = d.arrived  # P answers its error while D is working
+    c.p[0].fail_first_n = 1
+    assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 500
+    assert (await c.client.get("/router/stats")).json()["prefill"][0]["health"] == "suspect"
+    d.gate.set()
+    r = await c.client.post("/v1/completions", json=COMPLETION)
+    assert r.status_code == 200 and len(c.p[0].requests) == 2
+    assert (await c.client.get("/health")).status_code == 200
+
+
 async def test_p_failure_after_d_answered_is_harmless(cluster: MakeCluster) -> None:
     c = await cluster()
     c.p[0].gate = asyncio.Event()

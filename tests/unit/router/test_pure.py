@@ -32,8 +32,14 @@ def test_choose_skips_ineligible() -> None:
     suspect = BackendLoad(1, health=Health.SUSPECT)
     unknown = BackendLoad(2)
     not_ready = BackendLoad(3, health=Health.HEALTHY, ready=False)
-    assert choose([down, suspect, unknown, not_ready]) is None
+    assert choose([down, unknown, not_ready]) is None
     assert choose([down, healthy(4, outstanding=50)]).index == 4  # type: ignore[union-attr]
+    # A suspect backend only when no healthy one is left (the only P lost one connection).
+    assert choose([down, suspect, unknown, not_ready]) is suspect
+    assert choose([suspect, healthy(5, outstanding=50)]).index == 5  # type: ignore[union-attr]
+    assert choose([BackendLoad(6, health=Health.SUSPECT, ready=False)]) is None
+    assert unavailable_reason([suspect], [healthy(0)]) is None
+    assert "no healthy prefill server" in (unavailable_reason([down], [healthy(0)]) or "")
 
 
 @given(st.lists(st.tuples(st.sampled_from(list(Health)), st.booleans(),
@@ -42,12 +48,12 @@ def test_choose_is_a_least_loaded_eligible_backend(rows: list[tuple[Health, bool
     loads = [BackendLoad(i, health=h, ready=r, outstanding=o, dispatched=o + d)
              for i, (h, r, o, d) in enumerate(rows)]
     picked = choose(loads)
-    eligible = [b for b in loads if b.eligible]
-    if not eligible:
+    pool = [b for b in loads if b.eligible] or [b for b in loads if b.fallback]
+    if not pool:
         assert picked is None
         return
-    assert picked is not None and picked.eligible
-    assert picked.outstanding == min(b.outstanding for b in eligible)
+    assert picked is not None and picked in pool
+    assert picked.outstanding == min(b.outstanding for b in pool)
 
 
 def test_health_transitions() -> None:
