@@ -9,7 +9,9 @@ open across threads and a span is one call. Imports only the OpenTelemetry API.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
+
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
@@ -28,6 +30,16 @@ def parent_context(traceparent: str | None, tracestate: str = "") -> Context | N
     then starts a trace of its own)."""
     if not traceparent:
         return None
+    if len(traceparent) > 64 or len(tracestate) > 512:  # W3C: 55 and 512 characters
+        return _parsed.__wrapped__(traceparent, tracestate)  # not cached: a forged giant
+    return _parsed(traceparent, tracestate)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(traceparent: str, tracestate: str) -> Context | None:
+    # Each transfer parents several spans on one traceparent (P four, D two), and the
+    # propagator's parse was the largest item of D's transfer thread's profile. Contexts are
+    # immutable, so one parse may serve them all.
     carrier = {"traceparent": traceparent}
     if tracestate:
         carrier["tracestate"] = tracestate

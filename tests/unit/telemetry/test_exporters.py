@@ -101,3 +101,20 @@ def test_fast_encoder_equals_opentelemetry_encoder() -> None:
     spans = memory.get_finished_spans()
     assert len(spans) == 5
     assert json.loads(encode_line(spans)) == json.loads(encode_line_reference(spans))
+
+
+def test_parent_contexts_are_parsed_once_and_bad_ones_rejected() -> None:
+    from opentelemetry import trace
+
+    from telemetry.emit import _parsed, parent_context
+
+    tp = "00-" + "12" * 16 + "-" + "34" * 8 + "-01"
+    first = parent_context(tp, "k=v")
+    assert first is not None and parent_context(tp, "k=v") is first  # the cached parse
+    sc = trace.get_current_span(first).get_span_context()
+    assert (sc.trace_id, sc.span_id, sc.is_remote) == (int("12" * 16, 16), int("34" * 8, 16), True)
+    assert parent_context("00-" + "0" * 32 + "-" + "34" * 8 + "-01") is None  # invalid trace id
+    assert parent_context("garbage") is None and parent_context(None) is None
+    held = _parsed.cache_info().currsize
+    parent_context(tp, "k=" + "v" * 100_000)  # parsed (the propagator drops the state), not kept
+    assert _parsed.cache_info().currsize == held
