@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.core.layout import KVLayout, Region, head_range
 from connector.core.messages import PeerAddr
@@ -124,15 +125,17 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
+    defaults = PushkvConfig()  # the plugin's idle polls, with or without a doorbell
+    idle_s = defaults.poll_idle_s if bell is None else defaults.poll_idle_bell_s
     if spec.role == "P":
         sender = Sender(transport, me, layout, Topology(spec.num_kv_heads, spec.tp_size), peers,
                         spec.send_policy, on_write_finished=reports.append)
         thread = TransferThread(transport, peers, sender=sender, name=f"pushkv-{spec.agent}",
-                                bell=bell)
+                                bell=bell, idle_s=idle_s)
     else:
         receiver = Receiver(me, layout, peers, spec.recv_policy)
         thread = TransferThread(transport, peers, receiver=receiver, name=f"pushkv-{spec.agent}",
-                                bell=bell)
+                                bell=bell, idle_s=idle_s)
     thread.start()
     conn.send(("ready", os.getpid()))
     try:
