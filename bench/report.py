@@ -86,8 +86,8 @@ class LevelResult:
 def median_results(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]:
     """One result per (config, concurrency) over repeated rounds: each metric the median of
     the rounds that produced numbers, ``completed``, ``failed`` and D's prompt tokens by
-    source summed; failed rounds leave
-    it out (a cell where every round failed stays failed, with the first reason)."""
+    source summed; failed rounds leave it out (a cell where every round failed stays
+    failed, with the first reason)."""
     cells: dict[tuple[str, int], list[LevelResult]] = {}
     for results in rounds:
         for r in results:

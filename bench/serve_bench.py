@@ -335,9 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats <= 1:
         results = _run_round(names, model, run_dir, workload, log, args.pin_servers, meta)
         duration = time.monotonic() - t_start
-        _write_json(run_dir, meta, results, duration)
-        _write_report(run_dir, meta, results, duration)
-        print_rich(results)
+        _publish(run_dir, meta, results, duration)
         log(f"total {duration:.0f} s; report {run_dir / 'report.md'}; "
             f"data {run_dir / 'results.json'}")
         log_file.close()
@@ -357,12 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_report(round_dir, round_meta, results, time.monotonic() - t0)
         rounds.append(results)
     duration = time.monotonic() - t_start
-    medians = median_results(rounds)
     meta["rounds"] = [f"round-{i + 1}" for i in range(len(rounds))]
-    meta["round_tally"] = round_tally(rounds)
-    _write_json(run_dir, meta, medians, duration)
-    _write_report(run_dir, meta, medians, duration, tally=meta["round_tally"])
-    print_rich(medians)
+    _publish_rounds(run_dir, meta, rounds, duration)
     for line in meta["round_tally"]:
         log(line)
     log(f"total {duration:.0f} s; medians of {len(rounds)} rounds: report "
@@ -401,11 +395,7 @@ def rerender(run_dir: Path) -> int:
         rounds = [[LevelResult(**raw) for raw in
                    json.loads((run_dir / name / "results.json").read_text())["results"]]
                   for name in meta["rounds"]]
-        medians = median_results(rounds)
-        meta["round_tally"] = round_tally(rounds)
-        _write_json(run_dir, meta, medians, data["duration_s"])
-        _write_report(run_dir, meta, medians, data["duration_s"], tally=meta["round_tally"])
-        print_rich(medians)
+        _publish_rounds(run_dir, meta, rounds, data["duration_s"])
         return max(codes)
     results = []
     for raw in data["results"]:
@@ -416,10 +406,23 @@ def rerender(run_dir: Path) -> int:
                                                 r.result_file)
             r.metrics = fresh.metrics
         results.append(r)
-    _write_json(run_dir, meta, results, data["duration_s"])
-    _write_report(run_dir, meta, results, data["duration_s"])
-    print_rich(results)
+    _publish(run_dir, meta, results, data["duration_s"])
     return 0 if all(r.ok for r in results) else 1
+
+
+def _publish(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
+             duration_s: float) -> None:
+    """``results.json``, ``report.md`` and the console table of one run folder."""
+    _write_json(run_dir, meta, results, duration_s)
+    _write_report(run_dir, meta, results, duration_s)
+    print_rich(results)
+
+
+def _publish_rounds(run_dir: Path, meta: dict[str, Any], rounds: Sequence[Sequence[LevelResult]],
+                    duration_s: float) -> None:
+    """The top of a ``--repeats`` folder: the medians, and the per-round tally in ``meta``."""
+    meta["round_tally"] = round_tally(rounds)
+    _publish(run_dir, meta, median_results(rounds), duration_s)
 
 
 def _write_json(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
@@ -437,7 +440,7 @@ def _arrivals(rate: float | None) -> str:
 
 
 def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
-                  duration_s: float, tally: Sequence[str] = ()) -> None:
+                  duration_s: float) -> None:
     w = meta["workload"]
     preamble = (f"# Push vs pull: `vllm bench serve` through the router\n\n"
                 f"Run {run_dir.name} on {meta['host']} ({meta['cpus']} CPUs), commit "
@@ -446,7 +449,7 @@ def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelRe
                 f"{_arrivals(w.get('request_rate'))}"
                 f"{', P and D servers pinned to their CPU' if meta.get('pin_servers') else ''}; "
                 f"took {duration_s / 60:.1f} min. Command: `{' '.join(meta['argv'])}`.\n")
-    if tally:
+    if tally := meta.get("round_tally"):
         preamble += (f"\nEvery number below is the median over {len(meta['rounds'])} rounds "
                      f"({', '.join(meta['rounds'])}/ hold each round's own report); push "
                      f"against each baseline, round by round:\n\n"

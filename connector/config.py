@@ -59,6 +59,10 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = 120.0
 
+    def idle_poll_s(self, doorbell: bool) -> float:
+        """The transfer thread's idle poll: long with a doorbell, short without."""
+        return self.poll_idle_bell_s if doorbell else self.poll_idle_s
+
     def sender_policy(self) -> SenderPolicy:
         return SenderPolicy(lease_ns=_ns(self.lease_s),
                             max_registration_ttl_ns=_ns(self.max_registration_ttl_s),

@@ -125,8 +125,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
-    defaults = PushkvConfig()  # the plugin's idle polls, with or without a doorbell
-    idle_s = defaults.poll_idle_s if bell is None else defaults.poll_idle_bell_s
+    idle_s = PushkvConfig().idle_poll_s(bell is not None)  # as the plugin's threads poll
     if spec.role == "P":
         sender = Sender(transport, me, layout, Topology(spec.num_kv_heads, spec.tp_size), peers,
                         spec.send_policy, on_write_finished=reports.append)

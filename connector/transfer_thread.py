@@ -10,7 +10,8 @@ calls. While local work needs progress (a WRITE in flight, a dial) the loop poll
 ``hot_min_s``, backing off to ``hot_max_s`` while nothing arrives. While it only waits on a
 peer (D for its KV, P for a registration) it polls that fast only without a doorbell
 (``connector.doorbell``); with one it sleeps until the peer rings, or ``bell_fallback_s``.
-Otherwise it sleeps ``idle_s`` (an idle pair then costs about 0.1 % of a core). A submit
+Otherwise it sleeps ``idle_s`` (each idle poll costs ~300 µs of UCX progress on loopback:
+0.6 % of a core per rank at 50 ms, 0.06 % at the 0.5 s used with a doorbell). A submit
 wakes it at once.
 """
 

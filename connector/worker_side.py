@@ -124,8 +124,7 @@ class WorkerSide:
             receiver = Receiver(me, layout, peers, self.cfg.receiver_policy(), spans=spans)
         self.thread = TransferThread(self._transport, peers, sender=sender, receiver=receiver,
                                      name=f"pushkv-{name}", hot_max_s=self.cfg.poll_hot_max_s,
-                                     idle_s=self.cfg.poll_idle_s if bell is None
-                                     else self.cfg.poll_idle_bell_s, bell=bell,
+                                     idle_s=self.cfg.idle_poll_s(bell is not None), bell=bell,
                                      bell_fallback_s=self.cfg.poll_bell_fallback_s)
         self.thread.start()
         self._handshake = Handshake(name, host, port)
