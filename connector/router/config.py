@@ -101,8 +101,9 @@ class RouterConfig:
     max_connections: int = 80
     # An idle pooled connection is dropped after this long: below the servers' own keep-alive
     # timeout (uvicorn's and vLLM's default, 5 s), so the router never sends a leg down a
-    # connection the server is closing at that moment (httpx's default is also 5 s).
-    keepalive_expiry_s: float = 2.0
+    # connection the server is closing at that moment (httpx's default is also 5 s); above
+    # health_interval_s, so each health check reuses its connection instead of opening one.
+    keepalive_expiry_s: float = 4.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
