@@ -4,7 +4,8 @@ and per transfer in a paced stream shaped like the serving benchmark's (a regist
 every 20 ms, its prefill done 30 ms later, so transfers overlap).
 
 Run: python bench/poll_cost.py [--transfers 150] [--no-doorbell]
-Prints one line per measurement; compare with and without ``--no-doorbell`` (doorbells:
+Prints one line per measurement (CPU per transfer and each transfer's latency from P's
+prefill done to D counting its KV, then D's CPU while it waits); compare with and without ``--no-doorbell`` (doorbells:
 ``connector/doorbell.py``). CPU is the whole rank process (its transfer thread and the
 command loop that feeds it), from ``getrusage``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,10 +43,17 @@ def awaiting_kv(p: RankProcess, d: RankProcess, seconds: float) -> tuple[float, 
     return idle, (d.cpu_seconds() - c0) / (time.monotonic() - t0)
 
 
-def paced_stream(p: RankProcess, d: RankProcess, n: int) -> tuple[float, float, float]:
-    """CPU seconds per transfer of P and D, and the stream's wall time."""
+def paced_stream(p: RankProcess, d: RankProcess, n: int) -> tuple[float, float, float, list[float]]:
+    """CPU seconds per transfer of P and D, the stream's wall time, and each transfer's
+    latency from its PrefillDone to D counting it (seconds; what TTFT waits for)."""
     cp0, cd0, t0 = p.cpu_seconds(), d.cpu_seconds(), time.monotonic()
     due: list[tuple[float, str, tuple[int, ...]]] = []
+    done_ns: dict[str, int] = {}
+
+    def prefill_done(t: str, b: tuple[int, ...]) -> None:
+        done_ns[t] = time.time_ns()
+        p.submit(ev.PrefillDone(t, f"preq-{t}", (b,), 128))
+
     for i in range(n):
         tid, blocks = f"t{i}", tuple(range(8 * (i % 30), 8 * (i % 30) + 8))
         start_at = t0 + i * REGISTER_EVERY_S
@@ -52,7 +61,7 @@ def paced_stream(p: RankProcess, d: RankProcess, n: int) -> tuple[float, float, 
             now = time.monotonic()
             while due and due[0][0] <= now:
                 _, t, b = heapq.heappop(due)
-                p.submit(ev.PrefillDone(t, f"preq-{t}", (b,), 128))
+                prefill_done(t, b)
             if now >= start_at:
                 break
             time.sleep(min(start_at, due[0][0] if due else start_at) - now)  # pacing
@@ -61,12 +70,13 @@ def paced_stream(p: RankProcess, d: RankProcess, n: int) -> tuple[float, float, 
     while due:
         at, t, b = heapq.heappop(due)
         time.sleep(max(0.0, at - time.monotonic()))
-        p.submit(ev.PrefillDone(t, f"preq-{t}", (b,), 128))
+        prefill_done(t, b)
     d.wait("every transfer", lambda r: sum(x.transfer_id.startswith("t") for x in r.received) >= n, 30)
     got = [x for x in d.received if x.transfer_id.startswith("t")]
     assert all(x.ok for x in got), [x for x in got if not x.ok][:3]
     wall = time.monotonic() - t0
-    return (p.cpu_seconds() - cp0) / n, (d.cpu_seconds() - cd0) / n, wall
+    latency = [(x.at_ns - done_ns[x.transfer_id]) / 1e9 for x in got]
+    return (p.cpu_seconds() - cp0) / n, (d.cpu_seconds() - cd0) / n, wall, latency
 
 
 def main() -> int:
@@ -81,9 +91,12 @@ def main() -> int:
     p = RankProcess(RankSpec("P", "p", 0, 1, free_port(), num_blocks=256, doorbell=bell))
     d = RankProcess(RankSpec("D", "d", 0, 1, free_port(), num_blocks=256, doorbell=bell))
     try:
-        p_us, d_us, wall = paced_stream(p, d, args.transfers)
+        p_us, d_us, wall, latency = paced_stream(p, d, args.transfers)
+        lat = sorted(latency)
         print(f"doorbells {'on' if bell else 'off'}: {args.transfers} overlapping transfers in "
-              f"{wall:.1f} s: P {1000 * p_us:.2f} ms of CPU per transfer, D {1000 * d_us:.2f} ms")
+              f"{wall:.1f} s: P {1000 * p_us:.2f} ms of CPU per transfer, D {1000 * d_us:.2f} ms; "
+              f"prefill done -> D has the KV: median {1000 * statistics.median(lat):.2f} ms, "
+              f"p90 {1000 * lat[int(0.9 * (len(lat) - 1))]:.2f} ms")
         idle, waiting = awaiting_kv(p, d, args.seconds)
         print(f"doorbells {'on' if bell else 'off'}: D idle {100 * idle:.2f} % of a core, "
               f"waiting for KV {100 * waiting:.2f} %")

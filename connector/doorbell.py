@@ -5,13 +5,17 @@ With NIXL's progress thread off (on a small host it busy-polls a core), a notifi
 is only seen when our thread calls into NIXL, so a D waiting for its KV used to poll at
 1 kHz: each wake-up costs 30-50 µs of CPU on these VMs whatever the primitive (measured:
 Event.wait, time.sleep, epoll alike), 4-5 % of a core on D's, where the decode steps run.
-A peer that sends us a notification (D its registration) or posts a WRITE into us (P)
-now also sends one UDP datagram to our listen port number; our thread, asleep in
-``wait``, wakes and polls NIXL at once, and after a WRITE bell keeps polling until that
-WRITE's completion is in (it may need our UCX progress). A bell is only a hint: it moves
-no data and decides nothing; a forged one costs polls for at most 50 ms; the thread still
-polls every ``poll_bell_fallback_s`` while it waits on a peer, so a peer without doorbells
-(or a dropped datagram) is only slower. Measured (``python bench/poll_cost.py
+A peer that sends us a notification (D its registration, P a WRITE's completion: NIXL
+sends it when P sees the WRITE DONE) or posts a WRITE into us (P) now also sends one UDP
+datagram to our listen port number; our thread, asleep in ``wait``, wakes and polls NIXL
+at once, and after a WRITE bell keeps polling (``connector.polling``) until that WRITE's
+completion is in (it may need our UCX progress). A bell is only a hint: it moves no data
+and decides nothing; a forged one costs polls for at most 50 ms. The thread still polls
+while it waits on a peer: every ``poll_bell_fallback_s`` while a peer it waits on has
+never rung it (a peer without doorbells, or one not heard from yet, is only slower), and
+every ``poll_bell_trusted_s`` once each has (only a dropped datagram waits that long).
+``heard_from`` says who has rung: the datagram's source address is the ringer's doorbell,
+bound to its transport's host and port, so it matches the peer's ``PeerAddr``. Measured (``python bench/poll_cost.py
 [--no-doorbell]``, 2-core VM, loopback): D waiting for KV used 1.7-2.4 % of a core instead
 of 6.5-7.7 %.
 
@@ -37,6 +41,7 @@ MESSAGE = b"M"  # I sent you a notification: look now
 WRITE = b"W"  # + "<p_rank>:<transfer_id>": I posted that WRITE into you; keep polling (it may
 #               need your UCX progress) until its completion notification is in
 _LOCAL = b"L"
+MAX_RINGERS = 4096  # doorbells remembered as ringing (peers of one instance: a few dozen)
 
 
 def write_key(p_rank: int, transfer_id: str) -> bytes:
@@ -60,6 +65,7 @@ class Doorbell:
         # select(2), not epoll: epoll's timeout is whole milliseconds, and a WRITE in
         # flight is polled every 20 µs at first.
         self._socks = [self._udp, self._wake_r]
+        self._heard_from: set[tuple[str, int]] = set()  # doorbells that rang us
         self.counters: Counter[str] = Counter()
 
     @classmethod
@@ -106,7 +112,7 @@ class Doorbell:
         for sock in ready:
             while True:
                 try:
-                    data = sock.recv(512)
+                    data, source = sock.recvfrom(512)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:  # e.g. ICMP port unreachable reported on our socket
@@ -115,12 +121,22 @@ class Doorbell:
                     break
                 if sock is self._udp:
                     rings += 1
+                    self._note_ringer(source)
                     if data[:1] == WRITE:
                         writes.append(data[1:])
         if rings:
             self.counters["heard"] += rings
             self.counters["heard_write"] += len(writes)
         return bool(ready), rings, writes
+
+    def heard_from(self, host: str, port: int) -> bool:
+        """Has the doorbell at ``host:port`` rung us (so that peer rings with its news)?"""
+        return (host, port) in self._heard_from
+
+    def _note_ringer(self, source: object) -> None:
+        if not isinstance(source, tuple) or len(self._heard_from) >= MAX_RINGERS:
+            return  # a flood of forged sources: those peers keep the short fallback poll
+        self._heard_from.add((str(source[0]), int(source[1])))
 
     def close(self) -> None:
         for s in (self._udp, self._wake_r, self._wake_w):

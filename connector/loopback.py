@@ -125,16 +125,16 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
-    idle_s = PushkvConfig().idle_poll_s(bell is not None)  # as the plugin's threads poll
+    backoff = PushkvConfig().backoff(bell is not None)  # as the plugin's threads poll
     if spec.role == "P":
         sender = Sender(transport, me, layout, Topology(spec.num_kv_heads, spec.tp_size), peers,
                         spec.send_policy, on_write_finished=reports.append)
         thread = TransferThread(transport, peers, sender=sender, name=f"pushkv-{spec.agent}",
-                                bell=bell, idle_s=idle_s)
+                                bell=bell, backoff=backoff)
     else:
         receiver = Receiver(me, layout, peers, spec.recv_policy)
         thread = TransferThread(transport, peers, receiver=receiver, name=f"pushkv-{spec.agent}",
-                                bell=bell, idle_s=idle_s)
+                                bell=bell, backoff=backoff)
     thread.start()
     conn.send(("ready", os.getpid()))
     try:

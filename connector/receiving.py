@@ -90,6 +90,10 @@ class Receiver:
     def busy(self) -> bool:
         return self.table.awaiting_network()
 
+    def awaited_addrs(self) -> set[tuple[str, int]]:
+        """Host and port of every P rank a transfer still expects (their doorbells)."""
+        return {(s.addr.host, s.addr.port) for e in self._expected.values() for s in e.sources}
+
     # ------------------------------------------------------------------ actions
     def _run(self, actions: list, now_ns: int) -> None:
         for a in actions:

@@ -225,7 +225,8 @@ class Sender:
             return
         w.report.posted_ns = w.report.posted_ns or handle.posted_ns
         w.handles.append(handle)
-        # D polls until this WRITE's completion is in: it may need D's UCX progress.
+        # D polls (steadily, connector.polling) until this WRITE's completion is in: over
+        # TCP it needs D's UCX progress.
         self.peers.ring(reg.d_addr.agent, WRITE + write_key(self.me.rank, w.report.transfer_id))
 
     def _unposted_failed(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
@@ -248,6 +249,8 @@ class Sender:
                 if not self._t.poll_write(h):
                     live.append(h)
                     continue
+                # DONE: NIXL has just sent the completion; D polls slowly until it comes.
+                self.peers.ring(h.peer)
             except TransportError as exc:
                 self.peers.lost(h.peer, exc)
                 reason = m.FailReason.PEER_LOST if isinstance(exc, PeerDisconnected) else m.FailReason.WRITE_ERROR

@@ -6,13 +6,9 @@ it only through ``submit`` and ``take_*`` (thread-safe), so the protocol core is
 entered from two threads and nothing of the transfer runs on the engine's loop.
 
 Polling, not blocking: with NIXL's progress thread off, UCX progresses only inside our
-calls. While local work needs progress (a WRITE in flight, a dial) the loop polls every
-``hot_min_s``, backing off to ``hot_max_s`` while nothing arrives. While it only waits on a
-peer (D for its KV, P for a registration) it polls that fast only without a doorbell
-(``connector.doorbell``); with one it sleeps until the peer rings, or ``bell_fallback_s``.
-Otherwise it sleeps ``idle_s`` (each idle poll costs ~300 µs of UCX progress on loopback:
-0.6 % of a core per rank at 50 ms, 0.06 % at the 0.5 s used with a doorbell). A submit
-wakes it at once.
+calls. How often the loop polls (fast for local work, steadily for a peer's WRITE into
+us, rarely while it only waits on a peer that rings its doorbell, ``connector.doorbell``)
+is ``connector.polling.Backoff``'s; a submit wakes it at once.
 """
 
 from __future__ import annotations
@@ -28,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
 from connector.doorbell import Doorbell, IncomingWrites, write_key
 from connector.peers import Peers
+from connector.polling import Backoff
 from connector.receiving import Received, Receiver
 from connector.sending import Sender
 from connector.transport.base import Transport
@@ -99,58 +97,17 @@ class _EventWaker:
         return False, 0, []
 
 
-@dataclass
-class Backoff:
-    """How long the loop sleeps after an iteration (pure: the clock is an argument).
-
-    ``local``: our own work needs UCX progress (a WRITE in flight, a dial): poll from
-    ``hot_min_s`` after anything happened, doubling to ``hot_max_s``. A WRITE in flight
-    backs off like any other wait: its DONE only frees P's blocks, and polling every 20 µs
-    for a WRITE's few ms took the CPU and the GIL from P's forward pass on its core.
-    ``incoming``: a peer's WRITE into us is in flight (it rang WRITE, its completion has
-    not come): polled the same way, since it may need our UCX progress to complete
-    (measured on loopback: with D asleep, P's small WRITEs took milliseconds, not 40-80 µs).
-    ``remote``: we only wait on a peer. With no doorbell (``fallback_s`` None) that is
-    polled like local work; with one the thread sleeps ``fallback_s`` (the peer rings when
-    it sends), except for ``bell_hot_s`` after a ring (``rung``) that brought nothing: a
-    bell may beat its notification. Neither: ``idle_s``."""
-
-    hot_min_s: float
-    hot_max_s: float
-    idle_s: float
-    fallback_s: float | None = None
-    bell_hot_s: float = 0.001
-    delay_s: float = 0.0
-    hot_until_s: float = 0.0
-
-    def next(self, now_s: float, *, active: bool, woken: bool, rung: bool, local: bool,
-             remote: bool, incoming: bool = False) -> float:
-        if rung and not active:  # the bell beat its news: look again soon
-            self.hot_until_s = now_s + self.bell_hot_s
-        fast = (local or incoming or now_s < self.hot_until_s
-                or (remote and self.fallback_s is None))
-        if fast:
-            self.delay_s = (self.hot_min_s if active or woken
-                            else min(max(self.delay_s, self.hot_min_s) * 2, self.hot_max_s))
-        elif remote:
-            assert self.fallback_s is not None
-            self.delay_s = self.fallback_s
-        else:
-            self.delay_s = self.idle_s
-        return self.delay_s
-
-
 class TransferThread:
     def __init__(self, transport: Transport, peers: Peers, *, sender: Sender | None = None,
                  receiver: Receiver | None = None, name: str = "pushkv-transfer",
-                 hot_min_s: float = 20e-6, hot_max_s: float = 1e-3, idle_s: float = 0.05,
-                 bell: Doorbell | None = None, bell_fallback_s: float = 0.005,
+                 bell: Doorbell | None = None, backoff: Backoff | None = None,
                  clock: Callable[[], int] = time.monotonic_ns) -> None:
+        """``backoff``: the polling policy (default: ``PushkvConfig``'s defaults for
+        this ``bell``, as ``PushkvConfig.backoff`` builds it)."""
         if sender is None and receiver is None:
             raise ValueError("a transfer thread needs a sender, a receiver or both")
         self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
-        self._backoff = Backoff(hot_min_s, hot_max_s, idle_s,
-                                bell_fallback_s if bell is not None else None)
+        self._backoff = backoff if backoff is not None else PushkvConfig().backoff(bell is not None)
         self._clock = clock
         self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
         self._bell = bell
@@ -248,10 +205,12 @@ class TransferThread:
                 active = False
             now_s = self._clock() / 1e9
             incoming = self._incoming is not None and self._incoming.pending(now_s)
+            remote = self._remote_busy()
             delay = self._backoff.next(now_s, active=active, woken=woken, rung=rings > 0,
-                                       local=self._local_busy(), remote=self._remote_busy(),
-                                       incoming=incoming)
+                                       local=self._local_busy(), remote=remote,
+                                       incoming=incoming, trusted=remote and self._peers_ring())
             woken, rings, writes = self._wake.wait(delay)
+            rings -= len(writes)  # a WRITE bell announces work (incoming), not news
             if writes and self._incoming is not None:
                 self._incoming.announced(writes, self._clock() / 1e9)
 
@@ -263,6 +222,16 @@ class TransferThread:
         """Waiting on a peer: P for a registration, D for its KV."""
         return ((self.sender is not None and self.sender.awaiting_network())
                 or (self.receiver is not None and self.receiver.busy()))
+
+    def _peers_ring(self) -> bool:
+        """Every peer we wait on has rung us before, so its news will ring too. Only D
+        knows whom it waits on (P waits for registrations from any D)."""
+        bell = self._bell
+        if bell is None or self.receiver is None:
+            return False
+        if self.sender is not None and self.sender.awaiting_network():
+            return False
+        return all(bell.heard_from(host, port) for host, port in self.receiver.awaited_addrs())
 
     def _step(self) -> bool:
         """One iteration; True if anything happened (keep polling fast)."""

@@ -123,9 +123,8 @@ class WorkerSide:
         if self.is_consumer:
             receiver = Receiver(me, layout, peers, self.cfg.receiver_policy(), spans=spans)
         self.thread = TransferThread(self._transport, peers, sender=sender, receiver=receiver,
-                                     name=f"pushkv-{name}", hot_max_s=self.cfg.poll_hot_max_s,
-                                     idle_s=self.cfg.idle_poll_s(bell is not None), bell=bell,
-                                     bell_fallback_s=self.cfg.poll_bell_fallback_s)
+                                     name=f"pushkv-{name}", bell=bell,
+                                     backoff=self.cfg.backoff(bell is not None))
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info("pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",

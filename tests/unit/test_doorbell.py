@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from connector.core import events as ev
 from connector.doorbell import MESSAGE, WRITE, Doorbell, IncomingWrites, write_key
-from connector.transfer_thread import Backoff
+from connector.polling import Backoff
 from tests.unit.test_endpoints import Pair
 
 BOUND_S = 5.0  # a datagram on loopback takes microseconds; this only bounds a failure
@@ -97,7 +97,8 @@ def test_d_rings_p_with_its_registration_and_p_rings_d_when_it_posts_the_write()
     pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2, 3),), 40), pair.now)
     pair.pump()
     assert [(r.transfer_id, r.ok) for r in pair.receiver.finished] == [("t", True)]
-    assert p_bell.rings == [(*d_at, WRITE + write_key(0, "t"))], "P rings D when it posts"
+    assert p_bell.rings == [(*d_at, WRITE + write_key(0, "t")), (*d_at, MESSAGE)], \
+        "P rings D when it posts the WRITE and again when it is DONE (the completion sent)"
 
 
 def test_an_announced_write_is_awaited_until_its_completion_and_a_late_bell_is_ignored() -> None:
@@ -125,10 +126,12 @@ def test_a_flood_of_announced_writes_is_capped() -> None:
 
 # ---------------------------------------------------------------- Backoff (pure)
 HOT_MIN, HOT_MAX, IDLE, FALLBACK, BELL_HOT = 20e-6, 1e-3, 0.05, 0.005, 0.001
+INCOMING, TRUSTED = 0.0005, 0.04  # TRUSTED apart from IDLE, to tell them apart
 
 
 def _backoff(bell: bool) -> Backoff:
-    return Backoff(HOT_MIN, HOT_MAX, IDLE, FALLBACK if bell else None, bell_hot_s=BELL_HOT)
+    return Backoff(HOT_MIN, HOT_MAX, IDLE, FALLBACK if bell else None, bell_hot_s=BELL_HOT,
+                   incoming_s=INCOMING, trusted_s=TRUSTED)
 
 
 def _quiet(b: Backoff, now: float, **busy: bool) -> float:
@@ -140,6 +143,8 @@ def test_without_a_bell_a_wait_on_the_peer_is_polled_fast() -> None:
     assert b.next(0.0, active=True, woken=False, rung=False, local=False, remote=True) == HOT_MIN
     delays = [_quiet(b, 0.0, local=False, remote=True) for _ in range(10)]
     assert delays[0] == 2 * HOT_MIN and delays[-1] == HOT_MAX
+    assert _quiet(b, 0.0, local=False, remote=True, trusted=True) == HOT_MAX, \
+        "without a bell nobody is trusted to ring"
     assert _quiet(b, 0.0, local=False, remote=False) == IDLE
 
 
@@ -157,32 +162,102 @@ def test_with_a_bell_a_wait_on_the_peer_sleeps_until_a_ring_then_polls_fast_brie
     assert b.next(4.0, active=True, woken=True, rung=True, local=False, remote=False) == IDLE
 
 
-def test_local_work_and_incoming_writes_are_polled_fast_with_or_without_a_bell() -> None:
+def test_peers_that_rang_before_are_trusted_to_ring_and_polled_rarely() -> None:
+    b = _backoff(bell=True)
+    assert _quiet(b, 0.0, local=False, remote=True, trusted=True) == TRUSTED
+    assert _quiet(b, 0.0, local=False, remote=True, trusted=False) == FALLBACK
+    # ...but a ring that brought nothing is still followed by fast polls.
+    assert b.next(1.0, active=False, woken=True, rung=True, local=False, remote=True,
+                  trusted=True) == HOT_MIN
+    assert _quiet(b, 1.0 + BELL_HOT, local=False, remote=True, trusted=True) == TRUSTED
+
+
+def test_local_work_is_polled_fast_with_or_without_a_bell() -> None:
     for bell in (False, True):
-        for busy in (dict(local=True, remote=True), dict(local=False, remote=True, incoming=True)):
-            b = _backoff(bell)
-            assert b.next(0.0, active=True, woken=False, rung=False, **busy) == HOT_MIN
-            assert max(_quiet(b, 5.0, **busy) for _ in range(20)) == HOT_MAX
+        b = _backoff(bell)
+        assert b.next(0.0, active=True, woken=False, rung=False, local=True, remote=True) == HOT_MIN
+        assert max(_quiet(b, 5.0, local=True, remote=True) for _ in range(20)) == HOT_MAX
+
+
+def test_an_incoming_write_is_polled_steadily_not_from_twenty_microseconds_up() -> None:
+    b = _backoff(bell=True)
+    # The WRITE bell woke the thread: no burst of 20 µs polls, the steady cadence at once.
+    assert b.next(0.0, active=False, woken=True, rung=False, local=False, remote=True,
+                  incoming=True) == INCOMING
+    assert {_quiet(b, 0.001 * i, local=False, remote=True, incoming=True,
+                   trusted=True) for i in range(10)} == {INCOMING}
+    # Local work of our own still polls fast meanwhile.
+    assert b.next(0.02, active=True, woken=False, rung=False, local=True, remote=True,
+                  incoming=True) == HOT_MIN
 
 
 steps = st.lists(st.tuples(st.floats(0, 0.01), st.booleans(), st.booleans(), st.booleans(),
-                           st.booleans(), st.booleans(), st.booleans()), max_size=60)
+                           st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+                 max_size=60)
 
 
 @given(steps, st.booleans())
 def test_backoff_delays_stay_in_their_bands(seq, bell: bool) -> None:
     b, now = _backoff(bell), 0.0
-    for dt, active, woken, rung, local, remote, incoming in seq:
+    for dt, active, woken, rung, local, remote, incoming, trusted in seq:
         now += dt
         rung = rung and bell  # only a doorbell rings
         incoming = incoming and bell
         d = b.next(now, active=active, woken=woken or rung, rung=rung, local=local,
-                   remote=remote, incoming=incoming)
-        if local or incoming:
+                   remote=remote, incoming=incoming, trusted=trusted)
+        if local:
             assert HOT_MIN <= d <= HOT_MAX, "local work must be polled fast"
         elif remote and not bell:
             assert HOT_MIN <= d <= HOT_MAX, "no bell: the peer is polled fast"
         elif rung and not active:
             assert d == HOT_MIN, "a ring that brought nothing is answered by fast polls"
-        assert d in (IDLE, FALLBACK) or HOT_MIN <= d <= HOT_MAX
-        assert bell or d != FALLBACK
+        elif incoming:
+            assert d <= INCOMING, "a WRITE into us is polled at least every incoming_s"
+        elif remote and not trusted:
+            assert d <= FALLBACK, "an untrusted peer is polled at least every fallback_s"
+        assert d in (IDLE, FALLBACK, TRUSTED, INCOMING) or HOT_MIN <= d <= HOT_MAX
+        assert bell or d not in (FALLBACK, TRUSTED, INCOMING)
+
+
+def test_a_ringer_is_remembered_by_its_doorbell_address(bells) -> None:
+    a, b = bells
+    assert not b.heard_from(*a.address)
+    a.ring(*b.address)
+    deadline = time.monotonic() + BOUND_S
+    while not b.heard_from(*a.address) and time.monotonic() < deadline:
+        b.wait(BOUND_S)
+    assert b.heard_from(*a.address), "a ring from a's doorbell did not mark a as ringing"
+    assert not a.heard_from(*b.address), "ringing someone does not make them a ringer"
+
+
+class HeardBell:
+    """A doorbell stand-in for a thread that is never started: who has rung it."""
+
+    def __init__(self) -> None:
+        self.heard: set[tuple[str, int]] = set()
+
+    def heard_from(self, host: str, port: int) -> bool:
+        return (host, port) in self.heard
+
+    def wake(self) -> None:
+        pass
+
+
+def test_d_trusts_its_peers_to_ring_only_once_every_p_rank_it_waits_on_has_rung() -> None:
+    from connector.loopback import RankSpec, expected_event
+    from connector.transfer_thread import TransferThread
+
+    pair = Pair()
+    bell = HeardBell()
+    thread = TransferThread(pair.td, pair.receiver.peers, receiver=pair.receiver,
+                            bell=bell)  # type: ignore[arg-type]  # not started
+    p0 = pair.p_spec
+    p1 = RankSpec("P", "prefill", 1, 2, p0.port + 1)
+    pair.receiver.on_event(expected_event("t", [p0], pair.d_spec, (1,), 16), pair.now)
+    assert not thread._peers_ring(), "P rank 0 never rang: keep the short fallback poll"
+    bell.heard.add((p0.addr.host, p0.port))
+    assert thread._peers_ring()
+    pair.receiver.on_event(expected_event("u", [p0, p1], pair.d_spec, (2,), 16), pair.now)
+    assert not thread._peers_ring(), "u also waits on P rank 1, which never rang"
+    bell.heard.add((p1.addr.host, p1.port))
+    assert thread._peers_ring()
