@@ -3,10 +3,11 @@
 Owns: the per-configuration sequence (start the stack on free ports, warm up, one
 ``vllm bench serve`` run per concurrency level, stop by process group and check that the
 processes and ports are gone: ``run_config``), the log signals counted per stack, the run
-folder ``runs/bench-<timestamp>/`` (``results.json``, ``report.md``, ``bench.log``, one log
-per process and per run) and ``main``. Running ``vllm bench serve`` itself lives in
+folder ``runs/bench-<timestamp>/`` (``bench.log``, one log per process and per run, the
+rounds of ``--repeats``) and ``main``. Running ``vllm bench serve`` itself lives in
 ``bench.vllm_bench``, the configurations and stacks in ``bench.stacks``, the tables and
-ratios in ``bench.report``.
+ratios in ``bench.report``, writing (and ``--rerender``ing) a folder's ``results.json`` and
+``report.md`` in ``bench.run_folder``.
 
 Every configuration (``bench.stacks.CONFIGS``) sees the same model (``make_tiny_model()``),
 P/D flags, CPU binding and prompts: ``vllm bench serve --dataset-name random`` with the same
@@ -36,16 +37,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.report import (
-    LevelResult,
-    markdown_report,
-    median_results,
-    print_rich,
-    ratios,
-    round_tally,
-    target_verdicts,
-    tracing_verdicts,
-)
+from bench.report import LevelResult
+from bench.run_folder import arrivals, publish, publish_rounds, rerender, write_json, write_report
 from bench.stacks import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -316,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_file.flush()
 
     log(f"run folder {run_dir}; configs {names}; levels {workload.levels}; "
-        f"{_arrivals(workload.request_rate)}")
+        f"{arrivals(workload.request_rate)}")
     wait = args.wait if args.wait is not None else not args.quick
     if wait and not wait_for_quiet_machine(args.wait_timeout_s, log=log):
         log("other vLLM servers still running: measuring anyway (numbers are suspect)")
@@ -335,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats <= 1:
         results = _run_round(names, model, run_dir, workload, log, args.pin_servers, meta)
         duration = time.monotonic() - t_start
-        _publish(run_dir, meta, results, duration)
+        publish(run_dir, meta, results, duration)
         log(f"total {duration:.0f} s; report {run_dir / 'report.md'}; "
             f"data {run_dir / 'results.json'}")
         log_file.close()
@@ -351,12 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         round_meta = {**meta, "round": i + 1, "configs": {n: meta["configs"][n] for n in order}}
         t0 = time.monotonic()
         results = _run_round(order, model, round_dir, workload, log, args.pin_servers, round_meta)
-        _write_json(round_dir, round_meta, results, time.monotonic() - t0)
-        _write_report(round_dir, round_meta, results, time.monotonic() - t0)
+        write_json(round_dir, round_meta, results, time.monotonic() - t0)
+        write_report(round_dir, round_meta, results, time.monotonic() - t0)
         rounds.append(results)
     duration = time.monotonic() - t_start
     meta["rounds"] = [f"round-{i + 1}" for i in range(len(rounds))]
-    _publish_rounds(run_dir, meta, rounds, duration)
+    publish_rounds(run_dir, meta, rounds, duration)
     for line in meta["round_tally"]:
         log(line)
     log(f"total {duration:.0f} s; medians of {len(rounds)} rounds: report "
@@ -379,82 +372,8 @@ def _run_round(names: Sequence[str], model: Path, run_dir: Path, workload: Workl
                                 "log_signals": run.log_signals,
                                 "duration_s": round(time.monotonic() - t0, 1)}
         log(f"[{name}] done in {time.monotonic() - t0:.0f} s")
-        _write_json(run_dir, meta, results, time.monotonic() - t_start)
+        write_json(run_dir, meta, results, time.monotonic() - t_start)
     return results
-
-
-def rerender(run_dir: Path) -> int:
-    """Rebuild ``run_dir``'s report from what it saved (e.g. after a metric column was added):
-    every result's metrics are re-read from its own ``vllm bench serve`` JSON file. A folder
-    of ``--repeats`` rounds has each round rebuilt, then the medians."""
-    data = json.loads((run_dir / "results.json").read_text())
-    meta = {k: v for k, v in data.items()
-            if k not in ("results", "ratios", "target", "duration_s")}
-    if meta.get("rounds"):
-        codes = [rerender(run_dir / name) for name in meta["rounds"]]
-        rounds = [[LevelResult(**raw) for raw in
-                   json.loads((run_dir / name / "results.json").read_text())["results"]]
-                  for name in meta["rounds"]]
-        _publish_rounds(run_dir, meta, rounds, data["duration_s"])
-        return max(codes)
-    results = []
-    for raw in data["results"]:
-        r = LevelResult(**raw)
-        if r.ok and r.result_file:
-            fresh = LevelResult.from_bench_json(r.config, r.concurrency, r.num_prompts,
-                                                json.loads((run_dir / r.result_file).read_text()),
-                                                r.result_file)
-            r.metrics = fresh.metrics
-        results.append(r)
-    _publish(run_dir, meta, results, data["duration_s"])
-    return 0 if all(r.ok for r in results) else 1
-
-
-def _publish(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
-             duration_s: float) -> None:
-    """``results.json``, ``report.md`` and the console table of one run folder."""
-    _write_json(run_dir, meta, results, duration_s)
-    _write_report(run_dir, meta, results, duration_s)
-    print_rich(results)
-
-
-def _publish_rounds(run_dir: Path, meta: dict[str, Any], rounds: Sequence[Sequence[LevelResult]],
-                    duration_s: float) -> None:
-    """The top of a ``--repeats`` folder: the medians, and the per-round tally in ``meta``."""
-    meta["round_tally"] = round_tally(rounds)
-    _publish(run_dir, meta, median_results(rounds), duration_s)
-
-
-def _write_json(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
-                duration_s: float) -> None:
-    data = {**meta, "duration_s": round(duration_s, 1),
-            "results": [r.to_json() for r in results],
-            "ratios": ratios(results), "target": target_verdicts(results),
-            "tracing": tracing_verdicts(results)}
-    (run_dir / "results.json").write_text(json.dumps(data, indent=2) + "\n")
-
-
-def _arrivals(rate: float | None) -> str:
-    return ("closed loop" if rate is None
-            else f"open loop, Poisson arrivals at {rate:g} req/s")
-
-
-def _write_report(run_dir: Path, meta: dict[str, Any], results: Sequence[LevelResult],
-                  duration_s: float) -> None:
-    w = meta["workload"]
-    preamble = (f"# Push vs pull: `vllm bench serve` through the router\n\n"
-                f"Run {run_dir.name} on {meta['host']} ({meta['cpus']} CPUs), commit "
-                f"{meta['git_commit']}; random {w['input_len']} in / {w['output_len']} out, "
-                f"levels (concurrency, prompts) {[tuple(x) for x in w['levels']]}, "
-                f"{_arrivals(w.get('request_rate'))}"
-                f"{', P and D servers pinned to their CPU' if meta.get('pin_servers') else ''}; "
-                f"took {duration_s / 60:.1f} min. Command: `{' '.join(meta['argv'])}`.\n")
-    if tally := meta.get("round_tally"):
-        preamble += (f"\nEvery number below is the median over {len(meta['rounds'])} rounds "
-                     f"({', '.join(meta['rounds'])}/ hold each round's own report); push "
-                     f"against each baseline, round by round:\n\n"
-                     + "".join(f"- {line}\n" for line in tally))
-    (run_dir / "report.md").write_text(markdown_report(results, preamble))
 
 
 if __name__ == "__main__":

@@ -33,13 +33,16 @@ import select
 import socket
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-# What a ring says (anything not WRITE counts as MESSAGE):
+# What a ring says (anything else counts as MESSAGE):
 MESSAGE = b"M"  # I sent you a notification: look now
 WRITE = b"W"  # + "<p_rank>:<transfer_id>": I posted that WRITE into you; keep polling (it may
 #               need your UCX progress) until its completion notification is in
+DONE = b"D"  # + the same key: that WRITE is DONE and its completion sent: look now, unless
+#              you have it already (a steady poll often took it in before this ring came)
 _LOCAL = b"L"
 MAX_RINGERS = 4096  # doorbells remembered as ringing (peers of one instance: a few dozen)
 
@@ -47,6 +50,22 @@ MAX_RINGERS = 4096  # doorbells remembered as ringing (peers of one instance: a 
 def write_key(p_rank: int, transfer_id: str) -> bytes:
     """Names one P rank's WRITE of a transfer, in its bell and at its completion."""
     return f"{p_rank}:{transfer_id}".encode()
+
+
+@dataclass
+class Rings:
+    """What ended a ``wait``: ``woken`` (anything, a local wake-up included), and the
+    peers' rings among it: "look now" ``messages``, and the ``write_key`` of each WRITE
+    announced (``writes``) or DONE (``dones``)."""
+
+    woken: bool
+    messages: int = 0
+    writes: list[bytes] = field(default_factory=list)
+    dones: list[bytes] = field(default_factory=list)
+
+    @property
+    def rings(self) -> int:
+        return self.messages + len(self.writes) + len(self.dones)
 
 
 class Doorbell:
@@ -99,16 +118,14 @@ class Doorbell:
         except (BlockingIOError, OSError):
             pass  # full: a wake-up is already pending
 
-    def wait(self, timeout_s: float) -> tuple[bool, int, list[bytes]]:
-        """Sleep until a bell, a local wake-up or ``timeout_s``. Returns (woken, rings,
-        writes): how many peers' rings were pending, and the ``write_key`` of each WRITE
-        among them. Drains every pending wake-up, so one wait answers all bells rung
-        before it."""
+    def wait(self, timeout_s: float) -> Rings:
+        """Sleep until a bell, a local wake-up or ``timeout_s``; what woke it. Drains every
+        pending wake-up, so one wait answers all bells rung before it."""
         try:
             ready, _, _ = select.select(self._socks, [], [], timeout_s)
         except InterruptedError:
-            return False, 0, []
-        rings, writes = 0, []
+            return Rings(False)
+        out = Rings(bool(ready))
         for sock in ready:
             while True:
                 try:
@@ -120,14 +137,19 @@ class Doorbell:
                 if not data:
                     break
                 if sock is self._udp:
-                    rings += 1
                     self._note_ringer(source)
-                    if data[:1] == WRITE:
-                        writes.append(data[1:])
-        if rings:
-            self.counters["heard"] += rings
-            self.counters["heard_write"] += len(writes)
-        return bool(ready), rings, writes
+                    kind = data[:1]
+                    if kind == WRITE:
+                        out.writes.append(data[1:])
+                    elif kind == DONE:
+                        out.dones.append(data[1:])
+                    else:
+                        out.messages += 1
+        if out.rings:
+            self.counters["heard"] += out.rings
+            self.counters["heard_write"] += len(out.writes)
+            self.counters["heard_done"] += len(out.dones)
+        return out
 
     def heard_from(self, host: str, port: int) -> bool:
         """Has the doorbell at ``host:port`` rung us (so that peer rings with its news)?"""
@@ -147,8 +169,9 @@ class IncomingWrites:
     """Peers' WRITEs into us (``write_key``) that a bell announced and whose completion has
     not come: the thread polls fast while any is ``pending``, but no longer than
     ``max_wait_s`` after its bell (a peer that died mid-WRITE, a forged bell). A completion
-    can beat its bell (the two travel apart): it is remembered as landed for ``max_wait_s``,
-    so the late bell starts no wait. Pure: the clock is an argument."""
+    can beat its bell (the two travel apart): every completion is remembered as landed for
+    ``max_wait_s``, so a late WRITE bell starts no wait and a DONE bell that comes after
+    its completion no fast polls. Pure: the clock is an argument."""
 
     def __init__(self, counters: Counter[str], max_wait_s: float = 0.05,
                  max_tracked: int = 4096) -> None:
@@ -159,7 +182,7 @@ class IncomingWrites:
 
     def announced(self, keys: Iterable[bytes], now_s: float) -> None:
         for key in keys:
-            if self._landed.pop(key, None) is not None:
+            if key in self._landed:
                 continue  # its completion is in already
             if len(self._until) >= self.max_tracked:  # a flood of forged bells
                 self.counters["incoming_dropped"] += 1
@@ -167,8 +190,13 @@ class IncomingWrites:
             self._until[key] = now_s + self.max_wait_s
 
     def landed(self, key: bytes, now_s: float) -> None:
-        if self._until.pop(key, None) is None:  # its bell has not come (yet)
-            self._landed[key] = now_s
+        self._until.pop(key, None)
+        if len(self._landed) < self.max_tracked:
+            self._landed[key] = now_s  # a late WRITE or DONE bell then starts nothing
+
+    def done_rung(self, key: bytes) -> bool:
+        """A DONE bell: is its completion still to come (worth fast polls)?"""
+        return key not in self._landed
 
     def pending(self, now_s: float) -> bool:
         """Any announced WRITE still in flight (forgets those past ``max_wait_s``)."""

@@ -20,7 +20,7 @@ from connector.core.errors import LayoutError, PeerDisconnected, TransportError
 from connector.core.layout import KVLayout, plan_transfer
 from connector.core.rendezvous import SenderTable
 from connector.core.state import SenderPolicy
-from connector.doorbell import WRITE, write_key
+from connector.doorbell import DONE, WRITE, write_key
 from connector.peers import Peers
 from connector.spans import NO_SPANS, PrefillNote
 from connector.topology import RankInfo, Topology
@@ -250,7 +250,7 @@ class Sender:
                     live.append(h)
                     continue
                 # DONE: NIXL has just sent the completion; D polls slowly until it comes.
-                self.peers.ring(h.peer)
+                self.peers.ring(h.peer, DONE + write_key(self.me.rank, w.report.transfer_id))
             except TransportError as exc:
                 self.peers.lost(h.peer, exc)
                 reason = m.FailReason.PEER_LOST if isinstance(exc, PeerDisconnected) else m.FailReason.WRITE_ERROR

@@ -28,7 +28,7 @@ from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
-from connector.doorbell import Doorbell, IncomingWrites, write_key
+from connector.doorbell import Doorbell, IncomingWrites, Rings, write_key
 from connector.peers import Peers
 from connector.polling import Backoff
 from connector.receiving import Received, Receiver
@@ -78,7 +78,7 @@ def _unpin() -> None:
 
 class _Waker(Protocol):
     def wake(self) -> None: ...
-    def wait(self, timeout_s: float) -> tuple[bool, int, list[bytes]]: ...
+    def wait(self, timeout_s: float) -> Rings: ...
 
 
 class _EventWaker:
@@ -90,11 +90,11 @@ class _EventWaker:
     def wake(self) -> None:
         self._event.set()
 
-    def wait(self, timeout_s: float) -> tuple[bool, int, list[bytes]]:
+    def wait(self, timeout_s: float) -> Rings:
         if self._event.wait(timeout_s):
             self._event.clear()
-            return True, 0, []
-        return False, 0, []
+            return Rings(True)
+        return Rings(False)
 
 
 class TransferThread:
@@ -195,8 +195,9 @@ class TransferThread:
     def _run(self) -> None:
         _name_os_thread(self._thread.name)
         _unpin()
-        woken, rings = False, 0
+        woken, rung = False, False
         while not self._stop.is_set():
+            self.counters["polls"] += 1
             try:
                 active = self._step()
             except Exception:  # never let one bad iteration kill the thread
@@ -206,13 +207,16 @@ class TransferThread:
             now_s = self._clock() / 1e9
             incoming = self._incoming is not None and self._incoming.pending(now_s)
             remote = self._remote_busy()
-            delay = self._backoff.next(now_s, active=active, woken=woken, rung=rings > 0,
+            delay = self._backoff.next(now_s, active=active, woken=woken, rung=rung,
                                        local=self._local_busy(), remote=remote,
                                        incoming=incoming, trusted=remote and self._peers_ring())
-            woken, rings, writes = self._wake.wait(delay)
-            rings -= len(writes)  # a WRITE bell announces work (incoming), not news
-            if writes and self._incoming is not None:
-                self._incoming.announced(writes, self._clock() / 1e9)
+            rings = self._wake.wait(delay)
+            woken, rung = rings.woken, rings.messages > 0
+            if self._incoming is not None and (rings.writes or rings.dones):
+                self._incoming.announced(rings.writes, self._clock() / 1e9)
+                # A WRITE bell announces work (incoming), not news; a DONE bell is news
+                # unless its completion is in already.
+                rung = rung or any(self._incoming.done_rung(k) for k in rings.dones)
 
     def _local_busy(self) -> bool:
         """Work of ours that needs UCX progress to finish: a dial, a WRITE in flight."""

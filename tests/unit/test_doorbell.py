@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.core import events as ev
-from connector.doorbell import MESSAGE, WRITE, Doorbell, IncomingWrites, write_key
+from connector.doorbell import DONE, MESSAGE, WRITE, Doorbell, IncomingWrites, Rings, write_key
 from connector.polling import Backoff
 from tests.unit.test_endpoints import Pair
 
@@ -40,25 +40,28 @@ def test_a_ring_wakes_the_peer_and_one_wait_drains_every_ring(bells) -> None:
     a.ring(*b.address)
     a.ring(*b.address, WRITE + write_key(1, "t-9"))
     a.ring(*b.address, MESSAGE)
-    # One wait may return before the last datagram is in: collect until all three are.
-    rings, writes = 0, []
+    a.ring(*b.address, DONE + write_key(1, "t-9"))
+    # One wait may return before the last datagram is in: collect until all four are.
+    heard = Rings(True)
     deadline = time.monotonic() + BOUND_S
-    while rings < 3 and time.monotonic() < deadline:
-        woken, r, w = b.wait(BOUND_S)
-        assert woken, f"no wake-up within {BOUND_S} s"
-        rings, writes = rings + r, writes + w
-    assert (rings, writes) == (3, [b"1:t-9"]), f"heard {rings} rings, WRITEs {writes}"
-    assert b.counters["heard"] == 3 and b.counters["heard_write"] == 1
-    assert a.counters["rung"] == 3
+    while heard.rings < 4 and time.monotonic() < deadline:
+        got = b.wait(BOUND_S)
+        assert got.woken, f"no wake-up within {BOUND_S} s"
+        heard.messages += got.messages
+        heard.writes += got.writes
+        heard.dones += got.dones
+    assert (heard.messages, heard.writes, heard.dones) == (2, [b"1:t-9"], [b"1:t-9"]), heard
+    assert b.counters["heard"] == 4 and b.counters["heard_write"] == 1
+    assert b.counters["heard_done"] == 1 and a.counters["rung"] == 4
     t0 = time.monotonic()
-    assert b.wait(0.02) == (False, 0, []), "every ring was drained"
+    assert b.wait(0.02) == Rings(False), "every ring was drained"
     assert time.monotonic() - t0 >= 0.015, "an empty wait returned before its timeout"
 
 
 def test_a_local_wake_from_another_thread_is_not_a_ring(bells) -> None:
     _, b = bells
     threading.Thread(target=b.wake).start()
-    assert b.wait(BOUND_S) == (True, 0, [])
+    assert b.wait(BOUND_S) == Rings(True)
     assert b.counters["heard"] == 0
 
 
@@ -97,7 +100,7 @@ def test_d_rings_p_with_its_registration_and_p_rings_d_when_it_posts_the_write()
     pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2, 3),), 40), pair.now)
     pair.pump()
     assert [(r.transfer_id, r.ok) for r in pair.receiver.finished] == [("t", True)]
-    assert p_bell.rings == [(*d_at, WRITE + write_key(0, "t")), (*d_at, MESSAGE)], \
+    assert p_bell.rings == [(*d_at, WRITE + write_key(0, "t")), (*d_at, DONE + write_key(0, "t"))], \
         "P rings D when it posts the WRITE and again when it is DONE (the completion sent)"
 
 
@@ -109,9 +112,12 @@ def test_an_announced_write_is_awaited_until_its_completion_and_a_late_bell_is_i
     assert w.pending(1.001), "rank 1's WRITE of a is still in flight"
     w.landed(b"1:a", now_s=1.002)
     assert not w.pending(1.002)
+    assert not w.done_rung(b"0:a"), "a DONE bell after its completion is no news"
+    assert w.done_rung(b"0:z"), "a DONE bell before its completion is"
     w.landed(b"0:b", now_s=1.003)  # the completion beat its bell
     w.announced([b"0:b"], now_s=1.004)
     assert not w.pending(1.004), "a late bell must not start a wait for a WRITE already in"
+    assert not w.done_rung(b"0:b")
     w.announced([b"0:c"], now_s=2.0)  # a WRITE whose completion never comes
     assert w.pending(2.0) and not w.pending(2.05)
     assert counters["incoming_expired"] == 1
