@@ -58,9 +58,9 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     poll_bell_trusted_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     # D, while a P's WRITE into it is in flight: over TCP it completes only after D's UCX
     # progress took the bytes in (connector/polling.py); P rings again when it is DONE.
-    # Measured (bench/poll_cost.py, 128-token transfers every 20 ms): 0.25 ms kept the
-    # latency of polling from 20 µs up (1.9-2.1 ms from prefill done to D counting the
-    # KV) at 1.2-1.5 ms of D's CPU per transfer instead of 2.0; 0.5 and 1 ms added 0.2-0.3 ms.
+    # Measured (bench/poll_cost.py, 128-token transfers every 20 ms): D's CPU per transfer
+    # 1.4-1.9 ms instead of 2.0-2.1 with polls from 20 µs up, the latency from prefill done
+    # to D counting the KV ~0.1-0.2 ms longer (median 2.15-2.26 ms); 0.5 and 1 ms cost more.
     poll_incoming_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.00025
     # An engine step that schedules nothing while a transfer is in progress (D waiting for
     # KV, P writing) waits up to this long for the transfer to end before it returns:

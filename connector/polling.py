@@ -28,15 +28,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Backoff:
+    """Built by ``PushkvConfig.backoff`` (where the defaults live) or, in tests, by hand."""
+
     hot_min_s: float
     hot_max_s: float
     idle_s: float
-    fallback_s: float | None = None  # None: no doorbell
+    fallback_s: float | None  # None: no doorbell
+    incoming_s: float
+    trusted_s: float
     bell_hot_s: float = 0.001
-    incoming_s: float = 0.00025
-    trusted_s: float = 0.05
     delay_s: float = 0.0
     hot_until_s: float = 0.0
 

@@ -136,7 +136,8 @@ INCOMING, TRUSTED = 0.0005, 0.04  # TRUSTED apart from IDLE, to tell them apart
 
 
 def _backoff(bell: bool) -> Backoff:
-    return Backoff(HOT_MIN, HOT_MAX, IDLE, FALLBACK if bell else None, bell_hot_s=BELL_HOT,
+    return Backoff(hot_min_s=HOT_MIN, hot_max_s=HOT_MAX, idle_s=IDLE,
+                   fallback_s=FALLBACK if bell else None, bell_hot_s=BELL_HOT,
                    incoming_s=INCOMING, trusted_s=TRUSTED)
 
 
