@@ -1,6 +1,6 @@
 """Median of several ``pushkv bench`` runs, per configuration and concurrency.
 
-Run: python bench/aggregate.py runs/bench-A runs/bench-B ... [--markdown]
+Run: python -m bench.aggregate runs/bench-A runs/bench-B ... [--markdown]
 
 This box's numbers move a lot from one run to the next (see README: the engines' spinning
 loops and two cores), so claims rest on the median over repeated, interleaved runs. Prints
@@ -18,9 +18,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-KEYS = (("median_ttft_ms", "median TTFT ms"), ("p90_ttft_ms", "p90 TTFT ms"),
-        ("mean_tpot_ms", "mean TPOT ms"), ("median_e2el_ms", "median E2EL ms"),
-        ("request_throughput", "req/s"))
+KEYS = (
+    ("median_ttft_ms", "median TTFT ms"),
+    ("p90_ttft_ms", "p90 TTFT ms"),
+    ("mean_tpot_ms", "mean TPOT ms"),
+    ("median_e2el_ms", "median E2EL ms"),
+    ("request_throughput", "req/s"),
+)
 
 
 def main(argv: list[str]) -> int:
@@ -44,24 +48,34 @@ def main(argv: list[str]) -> int:
             (cells[key].append(r["metrics"]) if r["ok"] else failed[key].append(r["reason"]))
     header = ["config", "conc", "arrivals", "runs", *(t for _, t in KEYS), "median TTFT range"]
     rows = []
-    for arrivals, conc in sorted({(a, c) for _, c, a in [*cells, *failed]},
-                                 key=lambda ac: (ac[0] != "closed", ac[0], ac[1])):
+    for arrivals, conc in sorted(
+        {(a, c) for _, c, a in [*cells, *failed]}, key=lambda ac: (ac[0] != "closed", ac[0], ac[1])
+    ):
         for cfg in order:
             ms = cells.get((cfg, conc, arrivals), [])
             n_fail = len(failed.get((cfg, conc, arrivals), []))
             if not ms and not n_fail:
                 continue
             if not ms:
-                rows.append([cfg, str(conc), arrivals, f"0 ({n_fail} failed)",
-                             *["-"] * (len(KEYS) + 1)])
+                rows.append(
+                    [cfg, str(conc), arrivals, f"0 ({n_fail} failed)", *["-"] * (len(KEYS) + 1)]
+                )
                 continue
             med = [statistics.median(m[k] for m in ms if k in m) for k, _ in KEYS]
             ttfts = [m["median_ttft_ms"] for m in ms]
-            rows.append([cfg, str(conc), arrivals,
-                         f"{len(ms)}" + (f" (+{n_fail} failed)" if n_fail else ""),
-                         *(f"{v:.2f}" if k == "request_throughput" else f"{v:.1f}"
-                           for v, (k, _) in zip(med, KEYS)),
-                         f"{min(ttfts):.0f}-{max(ttfts):.0f}"])
+            rows.append(
+                [
+                    cfg,
+                    str(conc),
+                    arrivals,
+                    f"{len(ms)}" + (f" (+{n_fail} failed)" if n_fail else ""),
+                    *(
+                        f"{v:.2f}" if k == "request_throughput" else f"{v:.1f}"
+                        for v, (k, _) in zip(med, KEYS, strict=True)
+                    ),
+                    f"{min(ttfts):.0f}-{max(ttfts):.0f}",
+                ]
+            )
     if markdown:
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
@@ -70,7 +84,7 @@ def main(argv: list[str]) -> int:
     else:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     return 0
 
 

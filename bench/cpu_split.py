@@ -1,6 +1,6 @@
 """Where the CPU goes during a benchmark: per role (P, D, router, load generator) and thread.
 
-Run: python bench/cpu_split.py [--min-share 0.4] -- pushkv bench --configs push vllm-push-noprog --levels 16:480
+Run: python -m bench.cpu_split [--min-share 0.4] -- pushkv bench --configs push vllm-push-noprog --levels 16:480
 Runs the command (its output passes through), samples every thread's CPU ticks from
 ``/proc`` once a second meanwhile, and then prints, for every ``vllm bench serve`` run of
 it that lasted long enough (the warm-ups and each level, in the order they ran), each
@@ -61,8 +61,10 @@ def snapshot() -> Snap:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 s = _read(f"/proc/{pid}/task/{tid}/stat")
                 fields = s.rsplit(")", 1)[1].split()
-                threads[int(tid)] = (s[s.index("(") + 1:s.rindex(")")],
-                                     int(fields[11]) + int(fields[12]))  # utime + stime
+                threads[int(tid)] = (
+                    s[s.index("(") + 1 : s.rindex(")")],
+                    int(fields[11]) + int(fields[12]),
+                )  # utime + stime
         except (OSError, ValueError, IndexError):  # the process ended meanwhile
             continue
         snap.procs[pid] = Proc(ppid, cmd, threads)
@@ -105,8 +107,9 @@ def client_runs(snaps: list[Snap], min_s: float) -> list[tuple[int, int, int]]:
             parent = s.procs.get(proc.ppid)
             if _CLIENT in proc.cmd and (parent is None or _CLIENT not in parent.cmd):
                 seen.setdefault(pid, []).append(i)
-    runs = [(v[0], v[-1], pid) for pid, v in seen.items()
-            if snaps[v[-1]].t - snaps[v[0]].t >= min_s]
+    runs = [
+        (v[0], v[-1], pid) for pid, v in seen.items() if snaps[v[-1]].t - snaps[v[0]].t >= min_s
+    ]
     return sorted(runs)
 
 
@@ -130,10 +133,15 @@ def report(snaps: list[Snap], roles: dict[int, str], min_share: float, min_s: fl
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--min-share", type=float, default=0.4,
-                    help="list threads using at least this %% of a core")
-    ap.add_argument("--min-run-s", type=float, default=8.0,
-                    help="ignore load-generator runs shorter than this (seconds)")
+    ap.add_argument(
+        "--min-share", type=float, default=0.4, help="list threads using at least this %% of a core"
+    )
+    ap.add_argument(
+        "--min-run-s",
+        type=float,
+        default=8.0,
+        help="ignore load-generator runs shorter than this (seconds)",
+    )
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -1,7 +1,7 @@
 """Push KV between a P and a D process through pushkv's own transfer path (Sender,
 Receiver, transfer thread, NixlTransport) and time it, on CPU (DRAM) or GPU (VRAM).
 
-Run: python bench/gpu_push.py --device cuda:0 [--d-device cuda:1] [--tokens 1024,4096,16384]
+Run: python -m bench.gpu_push --device cuda:0 [--d-device cuda:1] [--tokens 1024,4096,16384]
      [--no-doorbell]
 The KV is shaped like one TP rank of a Llama-3-8B-class model (32 layers, 8 KV heads,
 head_dim 128, bf16, K|V packed per token, 16-token blocks). For every size it moves a
@@ -16,21 +16,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector.core import events as ev  # noqa: E402
-from connector.loopback import RankProcess, RankSpec, expected_event  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from connector.core import events as ev
+from connector.tools.loopback import RankProcess, RankSpec, expected_event
+from connector.transport.ports import free_port
 
 
 def main() -> int:
@@ -42,17 +34,28 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1100)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--no-doorbell", action="store_true",
-                    help="poll every millisecond instead of sleeping until the peer rings")
+    ap.add_argument(
+        "--no-doorbell",
+        action="store_true",
+        help="poll every millisecond instead of sleeping until the peer rings",
+    )
     args = ap.parse_args()
     cuda = args.device != "cpu"
     os.environ.setdefault("UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc" if cuda else "tcp,sm,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    shape = dict(num_layers=args.layers, num_blocks=args.blocks, block_size=16, num_kv_heads=8,
-                 token_bytes=2 * 128 * 2, doorbell=not args.no_doorbell)
-    p = RankProcess(RankSpec("P", "prefill", 0, 1, _port(), device=args.device, **shape), 120)
-    d = RankProcess(RankSpec("D", "decode", 0, 1, _port(), device=args.d_device or args.device,
-                             **shape), 120)
+    shape = dict(
+        num_layers=args.layers,
+        num_blocks=args.blocks,
+        block_size=16,
+        num_kv_heads=8,
+        token_bytes=2 * 128 * 2,
+        doorbell=not args.no_doorbell,
+    )
+    p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=args.device, **shape), 120)
+    d = RankProcess(
+        RankSpec("D", "decode", 0, 1, free_port(), device=args.d_device or args.device, **shape),
+        120,
+    )
     rng = random.Random(0)
     rows = []
     try:
@@ -63,8 +66,11 @@ def main() -> int:
                 for i in range(args.reps + 1):  # round 0 connects and warms up
                     tid = f"{layout}-{n}-{i}"
                     p_blocks = tuple(range(nb))
-                    d_blocks = (tuple(range(args.blocks - nb, args.blocks)) if layout == "contiguous"
-                                else tuple(rng.sample(range(args.blocks), nb)))
+                    d_blocks = (
+                        tuple(range(args.blocks - nb, args.blocks))
+                        if layout == "contiguous"
+                        else tuple(rng.sample(range(args.blocks), nb))
+                    )
                     d.submit(expected_event(tid, [p.spec], d.spec, d_blocks, n))
                     p.submit(ev.PrefillDone(tid, f"req-{tid}", (p_blocks,), n))
                     d.wait(tid, lambda r, t=tid: any(x.transfer_id == t for x in r.received), 120)
@@ -77,23 +83,34 @@ def main() -> int:
                         assert (ps == ds).all(), f"{tid}: moved blocks differ"
                     if i:
                         samples.append((rep, got))
-                mid = lambda f: statistics.median(f(r, g) for r, g in samples)  # noqa: E731
+                mid = lambda f, samples=samples: statistics.median(f(r, g) for r, g in samples)  # noqa: E731
                 r0 = samples[0][0]
                 e2e = mid(lambda r, g: (g.at_ns - r.issued_ns) / 1e6)
-                rows.append(dict(tokens=n, layout=layout, mib=r0.bytes_total / 2**20,
-                                 descriptors=r0.descriptors,
-                                 prep_ms=mid(lambda r, g: (r.prepared_ns - r.issued_ns) / 1e6),
-                                 write_ms=mid(lambda r, g: (r.done_ns - r.posted_ns) / 1e6),
-                                 e2e_ms=e2e, gbps=r0.bytes_total / (e2e * 1e6)))
+                rows.append(
+                    dict(
+                        tokens=n,
+                        layout=layout,
+                        mib=r0.bytes_total / 2**20,
+                        descriptors=r0.descriptors,
+                        prep_ms=mid(lambda r, g: (r.prepared_ns - r.issued_ns) / 1e6),
+                        write_ms=mid(lambda r, g: (r.done_ns - r.posted_ns) / 1e6),
+                        e2e_ms=e2e,
+                        gbps=r0.bytes_total / (e2e * 1e6),
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         p.stop()
         d.stop()
-    print(f"\n| tokens | D blocks | MiB | descriptors | prep ms | WRITE ms | P ready → D counted ms | GB/s |")
+    print(
+        "\n| tokens | D blocks | MiB | descriptors | prep ms | WRITE ms | P ready → D counted ms | GB/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['layout']} | {r['mib']:.0f} | {r['descriptors']} | "
-              f"{r['prep_ms']:.2f} | {r['write_ms']:.2f} | {r['e2e_ms']:.2f} | {r['gbps']:.1f} |")
+        print(
+            f"| {r['tokens']} | {r['layout']} | {r['mib']:.0f} | {r['descriptors']} | "
+            f"{r['prep_ms']:.2f} | {r['write_ms']:.2f} | {r['e2e_ms']:.2f} | {r['gbps']:.1f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -1,6 +1,6 @@
 """On a GPU: P's WRITE waits for the CUDA event of the step that computed the KV.
 
-Run: python bench/gpu_ready_check.py [--device cuda:0] [--rounds 5]
+Run: python -m bench.gpu_ready_check [--device cuda:0] [--rounds 5]
 
 The plugin hands P's blocks to the transfer thread right after the forward was *launched*
 (worker_side.after_forward) with ``ready`` = a CUDA event recorded after it; the WRITE must
@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.gpu_push import _port  # noqa: E402
-from connector.core import events as ev  # noqa: E402
-from connector.loopback import RankSpec, expected_event  # noqa: E402
+from connector.core import events as ev
+from connector.tools.loopback import RankSpec, expected_event
+from connector.transport.ports import free_port
 
 FINAL = 7  # what P's last kernel writes into every block of the prompt
 
 
 class Times:
-    """Duck-typed span hooks (connector.spans.TransferSpans' interface): the times only."""
+    """Duck-typed span hooks (connector.transfer.spans.TransferSpans' interface): the times only."""
 
     def __init__(self) -> None:
         self.ready_ns: dict[str, int] = {}
@@ -65,16 +61,16 @@ def main() -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import torch
 
-    from connector.peers import Peers
-    from connector.receiving import Receiver
-    from connector.sending import Sender
-    from connector.topology import RankInfo, Topology
-    from connector.transfer_thread import TransferThread
+    from connector.transfer.peers import Peers
+    from connector.transfer.receiver import Receiver
+    from connector.transfer.sender import Sender
+    from connector.transfer.thread import TransferThread
+    from connector.transfer.topology import RankInfo, Topology
     from connector.transport.nixl import NixlTransport
 
     shape = dict(num_layers=32, num_blocks=600, block_size=16, num_kv_heads=8, token_bytes=512)
-    p_spec = RankSpec("P", "prefill", 0, 1, _port(), device=args.device, **shape)
-    d_spec = RankSpec("D", "decode", 0, 1, _port(), device=args.device, **shape)
+    p_spec = RankSpec("P", "prefill", 0, 1, free_port(), device=args.device, **shape)
+    d_spec = RankSpec("D", "decode", 0, 1, free_port(), device=args.device, **shape)
     p_buf, d_buf = p_spec.allocate(), d_spec.allocate()
     scratch = torch.randn(4096, 4096, device=args.device)
     times = Times()
@@ -127,22 +123,26 @@ def main() -> int:
                 p_thread.take_finished_sending()
                 time.sleep(0.001)
             assert got and got[0].ok, f"round {r}: D got {got}"
-            view = d_buf[:, 300:300 + nb]
+            view = d_buf[:, 300 : 300 + nb]
             final = int((view == FINAL).sum().item())
             total = view.numel()
             rep = times.reports[tid]
             seen = times.ready_ns.get(tid, 0)
             what = "control (no event)" if control else "with event"
-            print(f"round {r} {what}: chain {(gpu_done - t0) / 1e6:.1f} ms on the GPU "
-                  f"(launch took {(launched - t0) / 1e6:.1f} ms); event seen "
-                  f"{(seen - gpu_done) / 1e6:+.2f} ms after the host sync; WRITE posted "
-                  f"{(rep.posted_ns - gpu_done) / 1e6:+.2f} ms after it, "
-                  f"{rep.bytes_total / 2**20:.0f} MiB in {(rep.done_ns - rep.posted_ns) / 1e6:.2f} ms; "
-                  f"D holds the final bytes in {final}/{total}")
+            print(
+                f"round {r} {what}: chain {(gpu_done - t0) / 1e6:.1f} ms on the GPU "
+                f"(launch took {(launched - t0) / 1e6:.1f} ms); event seen "
+                f"{(seen - gpu_done) / 1e6:+.2f} ms after the host sync; WRITE posted "
+                f"{(rep.posted_ns - gpu_done) / 1e6:+.2f} ms after it, "
+                f"{rep.bytes_total / 2**20:.0f} MiB in {(rep.done_ns - rep.posted_ns) / 1e6:.2f} ms; "
+                f"D holds the final bytes in {final}/{total}"
+            )
             if control:
                 if final == total:
-                    print("  CONTROL FAILED: without the event the WRITE still saw final bytes;"
-                          " the check proves nothing at this chain length")
+                    print(
+                        "  CONTROL FAILED: without the event the WRITE still saw final bytes;"
+                        " the check proves nothing at this chain length"
+                    )
                     failures += 1
             elif final != total or rep.posted_ns < gpu_done - 2_000_000:
                 print("  FAILED: the WRITE read the blocks before the step's event fired")

@@ -1,20 +1,18 @@
 """Timings and descriptor counts of `plan_transfer` for a few realistic shapes.
 
-Run: python bench/layout_bench.py. Owns nothing the connector imports; uses only numpy,
+Run: python -m bench.layout_bench. Owns nothing the connector imports; uses only numpy,
 connector.core.layout and (if installed) rich.
 """
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-
-from connector.core.layout import KVLayout, Pieces, Region, head_range, plan_transfer  # noqa: E402
+from connector.core.heads import head_range
+from connector.core.layout import KVLayout, Region
+from connector.core.plan import Pieces, plan_transfer
 
 TOKEN_BYTES = 2 * 128 * 2  # packed K|V, head_size 128, bf16
 NUM_KV_HEADS = 8
@@ -45,16 +43,24 @@ SHAPES = [
 ]
 
 
-def layout(layers: int, block: int, num_blocks: int, heads: tuple[int, int], order: str,
-           base: int) -> KVLayout:
+def layout(
+    layers: int, block: int, num_blocks: int, heads: tuple[int, int], order: str, base: int
+) -> KVLayout:
     stride = (heads[1] - heads[0]) * block * TOKEN_BYTES
     regions = tuple(
-        Region(layer=i, group=0, part=0, base_addr=base + i * num_blocks * stride,
-               block_stride=stride)
+        Region(
+            layer=i, group=0, part=0, base_addr=base + i * num_blocks * stride, block_stride=stride
+        )
         for i in range(layers)
     )
-    return KVLayout(block_size=block, num_blocks=num_blocks, heads=heads,
-                    token_bytes=TOKEN_BYTES, order=order, regions=regions)  # type: ignore[arg-type]
+    return KVLayout(
+        block_size=block,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=TOKEN_BYTES,
+        order=order,
+        regions=regions,
+    )  # type: ignore[arg-type]
 
 
 def run(shape: Shape, repeats: int = 7) -> tuple[float, float, Pieces]:
@@ -82,8 +88,16 @@ def main() -> None:
     rows = []
     for shape in SHAPES:
         median_ms, best_ms, pieces = run(shape)
-        rows.append((shape.name, f"{shape.layers}x{shape.blocks}", f"{median_ms:.2f}",
-                     f"{best_ms:.2f}", f"{pieces.count:,}", f"{pieces.bytes_total / 2**20:,.0f}"))
+        rows.append(
+            (
+                shape.name,
+                f"{shape.layers}x{shape.blocks}",
+                f"{median_ms:.2f}",
+                f"{best_ms:.2f}",
+                f"{pieces.count:,}",
+                f"{pieces.bytes_total / 2**20:,.0f}",
+            )
+        )
     header = ("shape", "regions x blocks", "median ms", "best ms", "pieces", "MiB")
     try:
         from rich.console import Console

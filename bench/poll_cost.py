@@ -1,12 +1,12 @@
 """What the transfer threads' polling costs: CPU of a P rank and a D rank (real NIXL over
-loopback, synthetic KV, ``connector.loopback``) while D waits for KV that never comes,
+loopback, synthetic KV, ``connector.tools.loopback``) while D waits for KV that never comes,
 and per transfer in a paced stream shaped like the serving benchmark's (a registration
 every 20 ms, its prefill done 30 ms later, so transfers overlap).
 
-Run: python bench/poll_cost.py [--transfers 150] [--no-doorbell]
+Run: python -m bench.poll_cost [--transfers 150] [--no-doorbell]
 Prints one line per measurement (CPU per transfer and each transfer's latency from P's
 prefill done to D counting its KV, then D's CPU while it waits); compare with and without ``--no-doorbell`` (doorbells:
-``connector/doorbell.py``). CPU is the whole rank process (its transfer thread and the
+``connector/transfer/doorbell.py``). CPU is the whole rank process (its transfer thread and the
 command loop that feeds it), from ``getrusage``.
 """
 
@@ -18,13 +18,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector.core import events as ev  # noqa: E402
-from connector.loopback import RankProcess, RankSpec, expected_event  # noqa: E402
-from connector.stack import free_port  # noqa: E402
+from connector.core import events as ev
+from connector.tools.loopback import RankProcess, RankSpec, expected_event
+from connector.tools.stack import free_port
 
 REGISTER_EVERY_S = 0.02
 PREFILL_S = 0.03
@@ -71,7 +68,9 @@ def paced_stream(p: RankProcess, d: RankProcess, n: int) -> tuple[float, float, 
         at, t, b = heapq.heappop(due)
         time.sleep(max(0.0, at - time.monotonic()))
         prefill_done(t, b)
-    d.wait("every transfer", lambda r: sum(x.transfer_id.startswith("t") for x in r.received) >= n, 30)
+    d.wait(
+        "every transfer", lambda r: sum(x.transfer_id.startswith("t") for x in r.received) >= n, 30
+    )
     got = [x for x in d.received if x.transfer_id.startswith("t")]
     assert all(x.ok for x in got), [x for x in got if not x.ok][:3]
     wall = time.monotonic() - t0
@@ -93,13 +92,17 @@ def main() -> int:
     try:
         p_us, d_us, wall, latency = paced_stream(p, d, args.transfers)
         lat = sorted(latency)
-        print(f"doorbells {'on' if bell else 'off'}: {args.transfers} overlapping transfers in "
-              f"{wall:.1f} s: P {1000 * p_us:.2f} ms of CPU per transfer, D {1000 * d_us:.2f} ms; "
-              f"prefill done -> D has the KV: median {1000 * statistics.median(lat):.2f} ms, "
-              f"p90 {1000 * lat[int(0.9 * (len(lat) - 1))]:.2f} ms")
+        print(
+            f"doorbells {'on' if bell else 'off'}: {args.transfers} overlapping transfers in "
+            f"{wall:.1f} s: P {1000 * p_us:.2f} ms of CPU per transfer, D {1000 * d_us:.2f} ms; "
+            f"prefill done -> D has the KV: median {1000 * statistics.median(lat):.2f} ms, "
+            f"p90 {1000 * lat[int(0.9 * (len(lat) - 1))]:.2f} ms"
+        )
         idle, waiting = awaiting_kv(p, d, args.seconds)
-        print(f"doorbells {'on' if bell else 'off'}: D idle {100 * idle:.2f} % of a core, "
-              f"waiting for KV {100 * waiting:.2f} %")
+        print(
+            f"doorbells {'on' if bell else 'off'}: D idle {100 * idle:.2f} % of a core, "
+            f"waiting for KV {100 * waiting:.2f} %"
+        )
     finally:
         p.stop()
         d.stop()

@@ -1,6 +1,6 @@
 """What tracing costs per request, in CPU time, with pushkv's real emitters and exporter.
 
-Run: python bench/tracing_cost.py [--requests 2000] [--chunks 32]
+Run: python -m bench.tracing_cost [--requests 2000] [--chunks 32]
 
 Drives, per request, exactly the tracing work of one push request: the router's
 ``RequestTrace`` (request, route, prefill_leg, decode_leg, first_byte; ``sent`` for every
@@ -19,18 +19,15 @@ per cent on a 2-core box whose run-to-run spread is tens of per cent; this can.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector.core import events as ev  # noqa: E402
-from connector.core.messages import FailReason, PeerAddr, TraceContext  # noqa: E402
-from connector.router.tracing import RequestTrace  # noqa: E402
-from connector.sending import WriteReport  # noqa: E402
-from connector.spans import (  # noqa: E402
+from connector.core import events as ev
+from connector.core.messages import PeerAddr, TraceContext
+from connector.router.tracing import RequestTrace
+from connector.transfer.sender import WriteReport
+from connector.transfer.spans import (
     NO_SPANS,
     PrefillNote,
     RegisterNote,
@@ -51,24 +48,36 @@ def one_request(i: int, router_tracer, p_spans, d_spans, d_tracer, chunks: int) 
     p_ctx, d_ctx = TraceContext(tp_p), TraceContext(tp_d)
     tid = f"t{i}"
     src = (ev.Source(0, PeerAddr(agent="p", host="127.0.0.1", port=1)),)
-    d_spans.expected(ev.Expected(tid, f"d{i}", src, ((1, 2),), 0, 256, d_ctx),
-                     RegisterNote(d_ctx, time.time_ns()))
+    d_spans.expected(
+        ev.Expected(tid, f"d{i}", src, ((1, 2),), 0, 256, d_ctx),
+        RegisterNote(d_ctx, time.time_ns()),
+    )
     d_spans.register_sent(tid)
     p_spans.registration(tid, d_ctx, time.time_ns())
     t = time.time_ns()
-    p_spans.prefill_submitted(ev.PrefillDone(tid, f"p{i}", ((1, 2),), 256),
-                              PrefillNote(p_ctx, t - 3000, t - 2000, t, 256), deferred=False)
-    r = WriteReport(tid, f"p{i}", True, None, time.time_ns(), blocks=16, regions=8,
-                    targets=("d",))
+    p_spans.prefill_submitted(
+        ev.PrefillDone(tid, f"p{i}", ((1, 2),), 256),
+        PrefillNote(p_ctx, t - 3000, t - 2000, t, 256),
+        deferred=False,
+    )
+    r = WriteReport(tid, f"p{i}", True, None, time.time_ns(), blocks=16, regions=8, targets=("d",))
     r.prepared_ns = r.posted_ns = time.time_ns()
     r.done_ns, r.bytes_total, r.descriptors = time.time_ns(), 1 << 20, 8
     p_spans.write_finished(r)
     p_spans.released(tid, None)
     d_spans.received(tid, True, None, time.time_ns())
     if d_tracer is not None:  # the scheduler watches first tokens only with tracing on
-        emit_first_token(d_tracer, d_ctx, transfer_id=tid, request_id=f"d{i}",
-                         engine_id="decode", kv_ns=time.time_ns(), scheduled_ns=time.time_ns(),
-                         out_ns=time.time_ns(), local_tokens=0)
+        emit_first_token(
+            d_tracer,
+            d_ctx,
+            transfer_id=tid,
+            request_id=f"d{i}",
+            engine_id="decode",
+            kv_ns=time.time_ns(),
+            scheduled_ns=time.time_ns(),
+            out_ns=time.time_ns(),
+            local_tokens=0,
+        )
     trace.prefill_ended()
     for _ in range(chunks):
         trace.decode_bytes()
@@ -119,8 +128,10 @@ def main() -> int:
     print(f"{args.requests} requests, 12 spans and {args.chunks} streamed chunks each:")
     print(f"  tracing off: {off * 1e6:8.1f} µs CPU per request (the hooks alone)")
     print(f"  tracing on:  {on * 1e6:8.1f} µs CPU per request (spans, batching, JSON lines)")
-    print(f"  cost:        {(on - off) * 1e6:8.1f} µs CPU per request, "
-          f"{(on - off) / 0.150:.2%} of the ~150 ms of CPU one request costs the stack")
+    print(
+        f"  cost:        {(on - off) * 1e6:8.1f} µs CPU per request, "
+        f"{(on - off) / 0.150:.2%} of the ~150 ms of CPU one request costs the stack"
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """WRITE latency/throughput and notification round trip of NixlTransport, two processes.
 
-Run: python bench/transport_bench.py [--device cuda] [--sizes 1,4,16,64,256] [--reps 10]
+Run: python -m bench.transport_bench [--device cuda] [--sizes 1,4,16,64,256] [--reps 10]
 The test process is the initiator; a spawned child is the target: it holds the
 destination buffer and echoes every ``PING:<n>`` notification back as ``PONG:<n>``.
 Cases per size: one contiguous descriptor, and scattered pieces (default 16 and 64 KiB)
@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -102,8 +100,9 @@ def rows(base: int, order: np.ndarray, piece: int, devid: int) -> np.ndarray:
     return out
 
 
-def time_write(t: Any, src: np.ndarray, dst: np.ndarray, mem: str, notif: bytes,
-               timeout_s: float = 60.0) -> tuple[float, float]:
+def time_write(
+    t: Any, src: np.ndarray, dst: np.ndarray, mem: str, notif: bytes, timeout_s: float = 60.0
+) -> tuple[float, float]:
     """(prep seconds, post -> DONE seconds) of one WRITE. ``posted_ns`` is taken right
     before NIXL's transfer(), so prep = descriptor lists + initialize_xfer."""
     start_ns = time.time_ns()
@@ -143,8 +142,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     port = free_port()
-    proc = ctx.Process(target=target_main, args=(child, port, max_bytes, args.device, tgt_gpu),
-                       daemon=True)
+    proc = ctx.Process(
+        target=target_main, args=(child, port, max_bytes, args.device, tgt_gpu), daemon=True
+    )
     proc.start()
     results: list[dict[str, Any]] = []
     t = None
@@ -173,8 +173,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         rng = np.random.default_rng(1)
         for size in sizes:
-            cases = [("contiguous", size)] + [(f"scattered {p // KIB} KiB", p)
-                                              for p in piece_sizes if p <= size]
+            cases = [("contiguous", size)] + [
+                (f"scattered {p // KIB} KiB", p) for p in piece_sizes if p <= size
+            ]
             for label, piece in cases:
                 n = size // piece
                 src = rows(src_addr, np.arange(n), piece, args.gpu)
@@ -186,13 +187,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     prep, post = time_write(t, src, dst, mem, b"W")
                     preps.append(prep)
                     posts.append(post)
-                results.append({"kind": "write", "case": label, "bytes": size, "descs": n,
-                                "median_ms": statistics.median(posts) * 1e3,
-                                "min_ms": min(posts) * 1e3,
-                                "gbps": size / min(posts) / 1e9,
-                                "prep_ms": statistics.median(preps) * 1e3})
-                print(f"  {size // MIB:>4} MiB {label:<18} {n:>6} descs  median "
-                      f"{results[-1]['median_ms']:.3f} ms", file=sys.stderr, flush=True)
+                results.append(
+                    {
+                        "kind": "write",
+                        "case": label,
+                        "bytes": size,
+                        "descs": n,
+                        "median_ms": statistics.median(posts) * 1e3,
+                        "min_ms": min(posts) * 1e3,
+                        "gbps": size / min(posts) / 1e9,
+                        "prep_ms": statistics.median(preps) * 1e3,
+                    }
+                )
+                print(
+                    f"  {size // MIB:>4} MiB {label:<18} {n:>6} descs  median "
+                    f"{results[-1]['median_ms']:.3f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         results.extend(round_trips(t, src_addr, dst_addr, mem, args))
     finally:
@@ -207,8 +219,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def round_trips(t: Any, src_addr: int, dst_addr: int, mem: str,
-                args: argparse.Namespace) -> list[dict[str, Any]]:
+def round_trips(
+    t: Any, src_addr: int, dst_addr: int, mem: str, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     tgt_gpu = args.target_gpu if args.target_gpu is not None else args.gpu
     notif_rtt, write_rtt = [], []
     src = np.array([[src_addr, 4 * KIB, args.gpu]], dtype=np.uint64)
@@ -230,10 +243,19 @@ def round_trips(t: Any, src_addr: int, dst_addr: int, mem: str,
         if i >= args.warmup:
             write_rtt.append(time.perf_counter() - t0)
     out = []
-    for label, xs in (("send_notif -> PONG", notif_rtt), ("4 KiB WRITE -> notif -> PONG",
-                                                          write_rtt)):
-        out.append({"kind": "rtt", "case": label, "median_us": statistics.median(xs) * 1e6,
-                    "min_us": min(xs) * 1e6, "reps": len(xs)})
+    for label, xs in (
+        ("send_notif -> PONG", notif_rtt),
+        ("4 KiB WRITE -> notif -> PONG", write_rtt),
+    ):
+        out.append(
+            {
+                "kind": "rtt",
+                "case": label,
+                "median_us": statistics.median(xs) * 1e6,
+                "min_us": min(xs) * 1e6,
+                "reps": len(xs),
+            }
+        )
     return out
 
 
@@ -241,11 +263,22 @@ def render(results: list[dict[str, Any]], title: str) -> None:
     writes = [r for r in results if r["kind"] == "write"]
     rtts = [r for r in results if r["kind"] == "rtt"]
     head = ["size", "layout", "descs", "median ms", "min ms", "GB/s (min)", "prep ms"]
-    body = [[f"{r['bytes'] // MIB} MiB", r["case"], str(r["descs"]), f"{r['median_ms']:.3f}",
-             f"{r['min_ms']:.3f}", f"{r['gbps']:.2f}", f"{r['prep_ms']:.3f}"] for r in writes]
+    body = [
+        [
+            f"{r['bytes'] // MIB} MiB",
+            r["case"],
+            str(r["descs"]),
+            f"{r['median_ms']:.3f}",
+            f"{r['min_ms']:.3f}",
+            f"{r['gbps']:.2f}",
+            f"{r['prep_ms']:.3f}",
+        ]
+        for r in writes
+    ]
     head2 = ["round trip", "median us", "min us", "reps"]
-    body2 = [[r["case"], f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", str(r["reps"])]
-             for r in rtts]
+    body2 = [
+        [r["case"], f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", str(r["reps"])] for r in rtts
+    ]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -260,8 +293,9 @@ def render(results: list[dict[str, Any]], title: str) -> None:
     for h, b, name in ((head, body, title), (head2, body2, "notification round trips")):
         table = Table(title=name)
         for col in h:
-            table.add_column(col, no_wrap=True,
-                             justify="left" if col in ("layout", "round trip") else "right")
+            table.add_column(
+                col, no_wrap=True, justify="left" if col in ("layout", "round trip") else "right"
+            )
         for row in b:
             table.add_row(*row)
         console.print(table)
@@ -288,8 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     set_ucx_env(args.device, args.ucx_tls)
     results = run(args)
-    title = (f"NIXL WRITE, {'VRAM' if args.device == 'cuda' else 'DRAM'}, "
-             f"UCX_TLS={os.environ['UCX_TLS']}, median of {args.reps}")
+    title = (
+        f"NIXL WRITE, {'VRAM' if args.device == 'cuda' else 'DRAM'}, "
+        f"UCX_TLS={os.environ['UCX_TLS']}, median of {args.reps}"
+    )
     render(results, title)
     if args.json:
         Path(args.json).write_text(json.dumps({"title": title, "results": results}, indent=1))

@@ -12,7 +12,7 @@ import msgspec
 
 from connector.core.errors import ConfigError
 from connector.core.state import ReceiverPolicy, SenderPolicy
-from connector.polling import Backoff
+from connector.transfer.polling import Backoff
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
 
@@ -45,7 +45,7 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # up at its own prefill's end at the latest). One idle poll costs ~300 µs of UCX progress
     # here: at 50 ms that was 0.6 % of a core per rank, a quarter of an idle pair's budget.
     poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=5.0)] = 0.5
-    # Doorbells (connector/doorbell.py): a peer that sends us something also sends a UDP
+    # Doorbells (connector/transfer/doorbell.py): a peer that sends us something also sends a UDP
     # datagram to our side-channel port number, so a thread that only waits on its peer
     # (D for its KV, P for a registration) sleeps until then instead of polling every
     # poll_hot_max_s; it still polls every poll_bell_fallback_s, so a lost bell, a
@@ -57,7 +57,7 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # polled 200 times a second on the core of its decode steps (4.4 % of it here).
     poll_bell_trusted_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     # D, while a P's WRITE into it is in flight: over TCP it completes only after D's UCX
-    # progress took the bytes in (connector/polling.py); P rings again when it is DONE.
+    # progress took the bytes in (connector/transfer/polling.py); P rings again when it is DONE.
     # Measured (bench/poll_cost.py, 128-token transfers every 20 ms): D's CPU per transfer
     # 1.4-1.9 ms instead of 2.0-2.1 with polls from 20 µs up, the latency from prefill done
     # to D counting the KV ~0.1-0.2 ms longer (median 2.15-2.26 ms); 0.5 and 1 ms cost more.
@@ -76,21 +76,30 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def backoff(self, doorbell: bool) -> Backoff:
         """A transfer thread's polling policy (a new one per thread: it holds state)."""
-        return Backoff(hot_min_s=20e-6, hot_max_s=self.poll_hot_max_s,
-                       idle_s=self.idle_poll_s(doorbell),
-                       fallback_s=self.poll_bell_fallback_s if doorbell else None,
-                       incoming_s=self.poll_incoming_s, trusted_s=self.poll_bell_trusted_s)
+        return Backoff(
+            hot_min_s=20e-6,
+            hot_max_s=self.poll_hot_max_s,
+            idle_s=self.idle_poll_s(doorbell),
+            fallback_s=self.poll_bell_fallback_s if doorbell else None,
+            incoming_s=self.poll_incoming_s,
+            trusted_s=self.poll_bell_trusted_s,
+        )
 
     def sender_policy(self) -> SenderPolicy:
-        return SenderPolicy(lease_ns=_ns(self.lease_s),
-                            max_registration_ttl_ns=_ns(self.max_registration_ttl_s),
-                            write_timeout_ns=_ns(self.write_timeout_s),
-                            tombstone_ns=_ns(self.tombstone_s))
+        return SenderPolicy(
+            lease_ns=_ns(self.lease_s),
+            max_registration_ttl_ns=_ns(self.max_registration_ttl_s),
+            write_timeout_ns=_ns(self.write_timeout_s),
+            tombstone_ns=_ns(self.tombstone_s),
+        )
 
     def receiver_policy(self) -> ReceiverPolicy:
-        return ReceiverPolicy(timeout_ns=_ns(self.receive_timeout_s), grace_ns=_ns(self.grace_s),
-                              heartbeat_interval_ns=_ns(self.heartbeat_s),
-                              tombstone_ns=_ns(self.tombstone_s))
+        return ReceiverPolicy(
+            timeout_ns=_ns(self.receive_timeout_s),
+            grace_ns=_ns(self.grace_s),
+            heartbeat_interval_ns=_ns(self.heartbeat_s),
+            tombstone_ns=_ns(self.tombstone_s),
+        )
 
 
 def _ns(seconds: float) -> int:
@@ -104,9 +113,11 @@ def parse_config(extra: dict[str, Any] | None) -> PushkvConfig:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
     if cfg.heartbeat_s >= cfg.lease_s:
-        raise ConfigError("heartbeat_s must be shorter than lease_s, or P's lease expires "
-                          "between heartbeats")
+        raise ConfigError(
+            "heartbeat_s must be shorter than lease_s, or P's lease expires between heartbeats"
+        )
     if cfg.write_timeout_s >= cfg.receive_timeout_s:
-        raise ConfigError("write_timeout_s must be shorter than receive_timeout_s, so P "
-                          "answers before D gives up")
+        raise ConfigError(
+            "write_timeout_s must be shorter than receive_timeout_s, so P answers before D gives up"
+        )
     return cfg

@@ -14,8 +14,9 @@ import msgspec
 
 from connector.core.messages import Host, Name, Port, TpSize, TraceContext, TransferId
 
-Traceparent = Annotated[str, msgspec.Meta(
-    pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
+Traceparent = Annotated[
+    str, msgspec.Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+]
 Tracestate = Annotated[str, msgspec.Meta(max_length=512)]
 
 
@@ -53,18 +54,26 @@ class DecodeLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return self.remote_ports[p_rank] if self.remote_ports else self.remote_port + p_rank
 
     def agent_of(self, p_rank: int) -> str:
-        return self.remote_agents[p_rank] if self.remote_agents else agent_name(self.remote_engine_id, p_rank)
+        return (
+            self.remote_agents[p_rank]
+            if self.remote_agents
+            else agent_name(self.remote_engine_id, p_rank)
+        )
 
     def trace(self) -> TraceContext | None:
         return TraceContext(self.traceparent, self.tracestate) if self.traceparent else None
 
     def validate(self) -> None:
         if self.remote_ports and len(self.remote_ports) != self.remote_tp_size:
-            raise KvParamsError(f"remote_ports has {len(self.remote_ports)} entries for "
-                                f"remote_tp_size {self.remote_tp_size}")
+            raise KvParamsError(
+                f"remote_ports has {len(self.remote_ports)} entries for "
+                f"remote_tp_size {self.remote_tp_size}"
+            )
         if self.remote_agents and len(self.remote_agents) != self.remote_tp_size:
-            raise KvParamsError(f"remote_agents has {len(self.remote_agents)} entries for "
-                                f"remote_tp_size {self.remote_tp_size}")
+            raise KvParamsError(
+                f"remote_agents has {len(self.remote_agents)} entries for "
+                f"remote_tp_size {self.remote_tp_size}"
+            )
         if not self.remote_ports and self.remote_port + self.remote_tp_size - 1 > 65535:
             raise KvParamsError("remote_port + remote_tp_size runs past port 65535")
 
@@ -120,8 +129,12 @@ class Coordinates(msgspec.Struct, frozen=True):
     agents: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"engine_id": self.engine_id, "host": self.host,
-                               "port": self.port, "tp_size": self.tp_size}
+        out: dict[str, Any] = {
+            "engine_id": self.engine_id,
+            "host": self.host,
+            "port": self.port,
+            "tp_size": self.tp_size,
+        }
         if self.ports:
             out["ports"] = list(self.ports)
         if self.agents:

@@ -61,14 +61,18 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable
                 rid = getattr(args[0], "request_id", "?") if args else "?"
                 logger.exception("pushkv %s failed (request %s)", fn.__name__, rid)
                 return default(*args)
+
         return inner
+
     return wrap
 
 
 class PushConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _adopt_vllm_logging()
         ktc = vllm_config.kv_transfer_config
@@ -87,11 +91,16 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
             groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
             group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
             self._worker = WorkerSide(
-                self._cfg, ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer,
+                self._cfg,
+                ktc.engine_id,
+                ktc.is_kv_producer,
+                ktc.is_kv_consumer,
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-                logical_block_size=vllm_config.cache_config.block_size, group_of=group_of)
+                logical_block_size=vllm_config.cache_config.block_size,
+                group_of=group_of,
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -118,7 +127,9 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.on_new_request(request)
 
     @_guard(lambda *a: (0, False))
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -140,11 +151,15 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         self._sched.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
     @_guard(lambda *a: (False, None))
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
@@ -178,7 +193,9 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         pass  # P pushes whole prompts from the transfer thread, never per layer
 
     def wait_for_save(self) -> None:
@@ -186,8 +203,9 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, received, failed = self._worker.take_results()
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
 
     def shutdown(self) -> None:
         # vLLM's processes may end by a re-raised signal or SIGKILL (its API server

@@ -36,7 +36,7 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
-from connector.spans import emit_first_token, engine_tracer
+from connector.transfer.spans import emit_first_token, engine_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +94,16 @@ class SchedulerSide:
             return None
         ranks = sorted(self._handshakes)
         hs = [self._handshakes[r] for r in ranks]
-        return msgspec.to_builtins(Coordinates(engine_id=self.engine_id, host=hs[0].host,
-                                               port=hs[0].port, tp_size=len(hs),
-                                               ports=tuple(h.port for h in hs),
-                                               agents=tuple(h.agent for h in hs)))
+        return msgspec.to_builtins(
+            Coordinates(
+                engine_id=self.engine_id,
+                host=hs[0].host,
+                port=hs[0].port,
+                tp_size=len(hs),
+                ports=tuple(h.port for h in hs),
+                agents=tuple(h.agent for h in hs),
+            )
+        )
 
     # ------------------------------------------------------------------ requests
     def on_new_request(self, request: Any) -> None:
@@ -115,7 +121,9 @@ class SchedulerSide:
             logger.warning("Request %s: %s; computing it locally", rid, exc)
             self._reqs[rid] = _Req(request, ReqState.DONE, error=str(exc))
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         rec = self._reqs.get(request.request_id)
         if rec is None or rec.decode is None or rec.state is not ReqState.AWAITING_ALLOC:
             return 0, False
@@ -133,14 +141,23 @@ class SchedulerSide:
         leg = rec.decode
         if num_external_tokens == 0:
             # A prefix-cache hit covers the prompt: release P's blocks at once.
-            self._step.aborts.append(StagedAbort(leg.transfer_id, request.request_id, "not_needed", leg))
+            self._step.aborts.append(
+                StagedAbort(leg.transfer_id, request.request_id, "not_needed", leg)
+            )
             rec.state = ReqState.DONE
             return
         block_ids: BlockTable = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
-        self._step.registrations.append(StagedRegistration(
-            leg.transfer_id, request.request_id, block_ids,
-            first_token=request.num_prompt_tokens - num_external_tokens,
-            num_tokens=request.num_prompt_tokens, leg=leg, alloc_ns=time.time_ns()))
+        self._step.registrations.append(
+            StagedRegistration(
+                leg.transfer_id,
+                request.request_id,
+                block_ids,
+                first_token=request.num_prompt_tokens - num_external_tokens,
+                num_tokens=request.num_prompt_tokens,
+                leg=leg,
+                alloc_ns=time.time_ns(),
+            )
+        )
         rec.state = ReqState.RECEIVING
         rec.local_tokens = request.num_prompt_tokens - num_external_tokens
 
@@ -148,8 +165,11 @@ class SchedulerSide:
         """Called before vLLM advances num_computed_tokens for this step."""
         for rid in scheduler_output.preempted_req_ids or ():
             rec = self._reqs.get(rid)
-            if rec is not None and rec.prefill is not None and rec.state in (
-                    ReqState.PUSHING, ReqState.PUSHED_EARLY):
+            if (
+                rec is not None
+                and rec.prefill is not None
+                and rec.state in (ReqState.PUSHING, ReqState.PUSHED_EARLY)
+            ):
                 if rec.state is ReqState.PUSHING:
                     self._step.reclaimed.append(rec.prefill.transfer_id)
                 rec.state = ReqState.SPENT
@@ -164,17 +184,25 @@ class SchedulerSide:
                 assert rec.prefill is not None
                 blocks = self._kv_cache_manager.get_block_ids(rid)
                 now = time.time_ns()
-                self._step.prefills.append(StagedPrefill(
-                    rec.prefill.transfer_id, rid, tuple(tuple(g) for g in blocks),
-                    request.num_prompt_tokens, rec.prefill,
-                    arrival_ns=_wall_ns(getattr(request, "arrival_time", None)) or now,
-                    scheduled_ns=rec.scheduled_ns or now))
+                self._step.prefills.append(
+                    StagedPrefill(
+                        rec.prefill.transfer_id,
+                        rid,
+                        tuple(tuple(g) for g in blocks),
+                        request.num_prompt_tokens,
+                        rec.prefill,
+                        arrival_ns=_wall_ns(getattr(request, "arrival_time", None)) or now,
+                        scheduled_ns=rec.scheduled_ns or now,
+                    )
+                )
                 rec.state = ReqState.PUSHING
         step, self._step = self._step, StepPlan()
         step.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         return step
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         rid = request.request_id
         if is_probe(request.kv_transfer_params):
             return False, {"pushkv": self.coordinates()}
@@ -193,14 +221,18 @@ class SchedulerSide:
                 return True, out
             del self._reqs[rid]
             if rec.state is ReqState.PREFILLING:  # aborted or failed before the prompt ran
-                self._step.aborts.append(StagedAbort(rec.prefill.transfer_id, rid, "prefill_aborted", None))
+                self._step.aborts.append(
+                    StagedAbort(rec.prefill.transfer_id, rid, "prefill_aborted", None)
+                )
             return False, out
         # D leg
         if rec.state is ReqState.RECEIVING:
             # vLLM itself holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS
             # until finished_recving; make sure that report comes.
             assert rec.decode is not None
-            self._step.aborts.append(StagedAbort(rec.decode.transfer_id, rid, "aborted", rec.decode))
+            self._step.aborts.append(
+                StagedAbort(rec.decode.transfer_id, rid, "aborted", rec.decode)
+            )
             rec.state = ReqState.ABORTING
             return False, None
         del self._reqs[rid]
@@ -250,15 +282,23 @@ class SchedulerSide:
     def _first_token_out(self, rid: str, now: int) -> None:
         rec = self._first.pop(rid)
         assert rec.decode is not None
-        emit_first_token(self._tracer, rec.decode.trace(), transfer_id=rec.decode.transfer_id,
-                         request_id=rid, engine_id=self.engine_id, kv_ns=rec.kv_ns,
-                         scheduled_ns=rec.first_step_ns, out_ns=now,
-                         local_tokens=rec.local_tokens,
-                         error=None if rec.request.num_output_tokens > 0 else "no_token")
+        emit_first_token(
+            self._tracer,
+            rec.decode.trace(),
+            transfer_id=rec.decode.transfer_id,
+            request_id=rid,
+            engine_id=self.engine_id,
+            kv_ns=rec.kv_ns,
+            scheduled_ns=rec.first_step_ns,
+            out_ns=now,
+            local_tokens=rec.local_tokens,
+            error=None if rec.request.num_output_tokens > 0 else "no_token",
+        )
 
     def has_pending_push_work(self) -> bool:
         return not self._step.empty() or any(
-            r.state in (ReqState.PUSHING, ReqState.HANDED_OVER) for r in self._reqs.values())
+            r.state in (ReqState.PUSHING, ReqState.HANDED_OVER) for r in self._reqs.values()
+        )
 
 
 def _wall_ns(seconds: float | None) -> int:

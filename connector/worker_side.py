@@ -20,18 +20,25 @@ from typing import Any
 from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.core.errors import LayoutError
-from connector.core.layout import KVLayout, Region, head_range
+from connector.core.heads import head_range
+from connector.core.layout import KVLayout, Region
 from connector.core.messages import PeerAddr
-from connector.doorbell import Doorbell
 from connector.kv_params import agent_name
 from connector.metadata import Handshake, StagedAbort, StepPlan
-from connector.peers import Peers
-from connector.ports import free_port
-from connector.receiving import Receiver
-from connector.sending import Sender
-from connector.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans, engine_tracer
-from connector.topology import RankInfo, Topology
-from connector.transfer_thread import TransferThread
+from connector.transfer.doorbell import Doorbell
+from connector.transfer.peers import Peers
+from connector.transfer.receiver import Receiver
+from connector.transfer.sender import Sender
+from connector.transfer.spans import (
+    NO_SPANS,
+    PrefillNote,
+    RegisterNote,
+    TransferSpans,
+    engine_tracer,
+)
+from connector.transfer.thread import TransferThread
+from connector.transfer.topology import RankInfo, Topology
+from connector.transport.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +50,9 @@ def _layer_key(name: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else 1 << 30, name)
 
 
-def describe_kv_caches(kv_caches: dict[str, Any], group_of: dict[str, int],
-                       heads: tuple[int, int]) -> KVLayout:
+def describe_kv_caches(
+    kv_caches: dict[str, Any], group_of: dict[str, int], heads: tuple[int, int]
+) -> KVLayout:
     """vLLM's per-layer KV tensors, shaped [blocks, heads, tokens, content] (LBHNC), as a
     layout: one region per layer, one head's slice of a block contiguous.
 
@@ -58,9 +66,11 @@ def describe_kv_caches(kv_caches: dict[str, Any], group_of: dict[str, int],
     names = sorted(kv_caches, key=_layer_key)
     first = kv_caches[names[0]]
     if first.dim() != 4 or not first[0].is_contiguous():
-        raise LayoutError(f"{names[0]}: KV cache of shape {tuple(first.shape)} strides "
-                          f"{first.stride()} is not [blocks, heads, tokens, content] with "
-                          "contiguous blocks (pushkv needs the LBHNC layout)")
+        raise LayoutError(
+            f"{names[0]}: KV cache of shape {tuple(first.shape)} strides "
+            f"{first.stride()} is not [blocks, heads, tokens, content] with "
+            "contiguous blocks (pushkv needs the LBHNC layout)"
+        )
     num_blocks, num_heads, block_size, content = (int(x) for x in first.shape)
     if num_heads != heads[1] - heads[0]:
         raise LayoutError(f"KV cache holds {num_heads} heads, this rank should hold {heads}")
@@ -68,24 +78,51 @@ def describe_kv_caches(kv_caches: dict[str, Any], group_of: dict[str, int],
     regions = []
     for i, name in enumerate(names):
         t = kv_caches[name]
-        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype \
-                or t.device != first.device:
+        if (
+            t.shape != first.shape
+            or t.stride() != first.stride()
+            or t.dtype != first.dtype
+            or t.device != first.device
+        ):
             raise LayoutError(f"{name}: KV cache differs from {names[0]}")
-        regions.append(Region(layer=i, group=group_of.get(name, 0), part=0,
-                              base_addr=int(t.data_ptr()), block_stride=int(t.stride(0) * elt)))
+        regions.append(
+            Region(
+                layer=i,
+                group=group_of.get(name, 0),
+                part=0,
+                base_addr=int(t.data_ptr()),
+                block_stride=int(t.stride(0) * elt),
+            )
+        )
     cuda = first.device.type == "cuda"
-    layout = KVLayout(block_size=block_size, num_blocks=num_blocks, heads=heads,
-                      token_bytes=content * elt, order="HND", regions=tuple(regions),
-                      device_id=int(first.device.index or 0) if cuda else 0,
-                      mem_type="VRAM" if cuda else "DRAM", opaque_blocks=not cuda)
+    layout = KVLayout(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=content * elt,
+        order="HND",
+        regions=tuple(regions),
+        device_id=int(first.device.index or 0) if cuda else 0,
+        mem_type="VRAM" if cuda else "DRAM",
+        opaque_blocks=not cuda,
+    )
     layout.validate()
     return layout
 
 
 class WorkerSide:
-    def __init__(self, cfg: PushkvConfig, engine_id: str, is_producer: bool, is_consumer: bool,
-                 tp_rank: int, tp_size: int, num_kv_heads: int, logical_block_size: int,
-                 group_of: dict[str, int]) -> None:
+    def __init__(
+        self,
+        cfg: PushkvConfig,
+        engine_id: str,
+        is_producer: bool,
+        is_consumer: bool,
+        tp_rank: int,
+        tp_size: int,
+        num_kv_heads: int,
+        logical_block_size: int,
+        group_of: dict[str, int],
+    ) -> None:
         self.cfg, self.engine_id = cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
@@ -104,31 +141,61 @@ class WorkerSide:
         heads = head_range(self.tp_rank, self.tp_size, self.num_kv_heads)
         layout = describe_kv_caches(kv_caches, self._group_of, heads)
         if self._logical_block_size % layout.block_size:
-            raise LayoutError(f"scheduler block size {self._logical_block_size} is not a multiple "
-                              f"of the kernel block size {layout.block_size}")
+            raise LayoutError(
+                f"scheduler block size {self._logical_block_size} is not a multiple "
+                f"of the kernel block size {layout.block_size}"
+            )
         self._ratio = self._logical_block_size // layout.block_size
         host = self.cfg.side_channel_host
-        port = self.cfg.side_channel_port + self.tp_rank if self.cfg.side_channel_port else free_port(host)
+        port = (
+            self.cfg.side_channel_port + self.tp_rank
+            if self.cfg.side_channel_port
+            else free_port(host)
+        )
         name = agent_name(self.engine_id, self.tp_rank, uuid.uuid4().hex[:8])
         self._transport = NixlTransport(name, listen_host=host, listen_port=port)
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
-        bell = Doorbell.open(host, self._transport.listen_address[1]) if self.cfg.doorbells else None
+        bell = (
+            Doorbell.open(host, self._transport.listen_address[1]) if self.cfg.doorbells else None
+        )
         peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9), bell=bell)
-        me = RankInfo(self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port))
+        me = RankInfo(
+            self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
+        )
         spans = self._spans()
         sender = receiver = None
         if self.is_producer:
-            sender = Sender(self._transport, me, layout, Topology(self.num_kv_heads, self.tp_size),
-                            peers, self.cfg.sender_policy(), spans=spans)
+            sender = Sender(
+                self._transport,
+                me,
+                layout,
+                Topology(self.num_kv_heads, self.tp_size),
+                peers,
+                self.cfg.sender_policy(),
+                spans=spans,
+            )
         if self.is_consumer:
             receiver = Receiver(me, layout, peers, self.cfg.receiver_policy(), spans=spans)
-        self.thread = TransferThread(self._transport, peers, sender=sender, receiver=receiver,
-                                     name=f"pushkv-{name}", bell=bell,
-                                     backoff=self.cfg.backoff(bell is not None))
+        self.thread = TransferThread(
+            self._transport,
+            peers,
+            sender=sender,
+            receiver=receiver,
+            name=f"pushkv-{name}",
+            bell=bell,
+            backoff=self.cfg.backoff(bell is not None),
+        )
         self.thread.start()
         self._handshake = Handshake(name, host, port)
-        logger.info("pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",
-                    name, len(layout.regions), layout.num_blocks, layout.block_size, host, port)
+        logger.info(
+            "pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",
+            name,
+            len(layout.regions),
+            layout.num_blocks,
+            layout.block_size,
+            host,
+            port,
+        )
 
     def _spans(self) -> Any:
         tracer = engine_tracer(self.engine_id, producer=self.is_producer)
@@ -147,17 +214,21 @@ class WorkerSide:
 
     def _sources(self, leg: Any) -> tuple[ev.Source, ...]:
         topo = Topology(self.num_kv_heads, leg.remote_tp_size)
-        return tuple(ev.Source(p, PeerAddr(agent=leg.agent_of(p), host=leg.remote_host,
-                                           port=leg.port_of(p)))
-                     for p in topo.sources(self.tp_rank, self.tp_size))
+        return tuple(
+            ev.Source(p, PeerAddr(agent=leg.agent_of(p), host=leg.remote_host, port=leg.port_of(p)))
+            for p in topo.sources(self.tp_rank, self.tp_size)
+        )
 
     def before_forward(self, plan: StepPlan) -> None:
         """vLLM's handle_preemptions: runs before this step's forward may reuse blocks."""
         if plan.reclaimed and self.thread is not None:
             if not self.thread.reclaim(plan.reclaimed, timeout_s=self.cfg.write_timeout_s):
-                logger.error("WRITEs of preempted transfers %s still running after %.0fs; "
-                             "this forward may overwrite blocks they read", plan.reclaimed,
-                             self.cfg.write_timeout_s)
+                logger.error(
+                    "WRITEs of preempted transfers %s still running after %.0fs; "
+                    "this forward may overwrite blocks they read",
+                    plan.reclaimed,
+                    self.cfg.write_timeout_s,
+                )
 
     def bind(self, plan: StepPlan) -> None:
         """Before the forward: registrations and aborts go out at once."""
@@ -167,9 +238,18 @@ class WorkerSide:
             return
         for reg in plan.registrations:
             trace = reg.leg.trace()
-            thread.submit(ev.Expected(reg.transfer_id, reg.request_id, self._sources(reg.leg),
-                                      self._blocks(reg.block_ids), reg.first_token, reg.num_tokens,
-                                      trace), note=RegisterNote(trace, reg.alloc_ns))
+            thread.submit(
+                ev.Expected(
+                    reg.transfer_id,
+                    reg.request_id,
+                    self._sources(reg.leg),
+                    self._blocks(reg.block_ids),
+                    reg.first_token,
+                    reg.num_tokens,
+                    trace,
+                ),
+                note=RegisterNote(trace, reg.alloc_ns),
+            )
         for ab in plan.aborts:
             thread.submit(self._abort_event(ab))
 
@@ -190,8 +270,13 @@ class WorkerSide:
         done_ns = time.time_ns()
         for p in plan.prefills:
             note = PrefillNote(p.leg.trace(), p.arrival_ns, p.scheduled_ns, done_ns, p.num_tokens)
-            thread.submit(ev.PrefillDone(p.transfer_id, p.request_id, self._blocks(p.block_ids),
-                                         p.num_tokens), ready=ready, note=note)
+            thread.submit(
+                ev.PrefillDone(
+                    p.transfer_id, p.request_id, self._blocks(p.block_ids), p.num_tokens
+                ),
+                ready=ready,
+                note=note,
+            )
 
     def clear(self) -> None:
         self._plan = None
@@ -205,7 +290,9 @@ class WorkerSide:
             # letting vLLM spin the next empty step at once.
             got = self.thread.wait_for_results(wait_s)
             self.thread.counters["idle_step_waits"] += 1
-            self.thread.counters["idle_step_wait_results" if got else "idle_step_wait_timeouts"] += 1
+            self.thread.counters[
+                "idle_step_wait_results" if got else "idle_step_wait_timeouts"
+            ] += 1
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()
         return sent, {r.request_id for r in received}, {r.request_id for r in received if not r.ok}
@@ -213,8 +300,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.thread is not None:
             self.thread.stop()  # first: it adds its doorbell's counters
-            logger.info("pushkv worker rank %d counters: %s", self.tp_rank,
-                        dict(self.thread.counters))
+            logger.info(
+                "pushkv worker rank %d counters: %s", self.tp_rank, dict(self.thread.counters)
+            )
         if self._transport is not None:
             self._transport.close()
         self.thread = self._transport = None

@@ -7,12 +7,6 @@ that make every view shareable. Data, caching and figures live in ``dashboard.da
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # `streamlit run dashboard/app.py` runs this file as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import streamlit as st
 
 from dashboard.state import clear_caches, initial_source, load, run_export
@@ -21,9 +15,11 @@ from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
 from telemetry.traces import RunFolderError
 
-VIEWS = {"requests": ("Requests", requests.render),
-         "decomposition": ("TTFT decomposition", decomposition.render),
-         "compare": ("Compare runs", compare.render)}
+VIEWS = {
+    "requests": ("Requests", requests.render),
+    "decomposition": ("TTFT decomposition", decomposition.render),
+    "compare": ("Compare runs", compare.render),
+}
 
 
 def main() -> None:
@@ -35,8 +31,13 @@ def main() -> None:
         clear_caches()
     names = list(VIEWS)
     wanted = st.query_params.get("view", names[0])
-    view = st.sidebar.radio("View", names, index=names.index(wanted) if wanted in names else 0,
-                            format_func=lambda v: VIEWS[v][0], key="view")
+    view = st.sidebar.radio(
+        "View",
+        names,
+        index=names.index(wanted) if wanted in names else 0,
+        format_func=lambda v: VIEWS[v][0],
+        key="view",
+    )
     params = {"view": view, **source_params(source)}
     try:
         run = load(source)
@@ -45,9 +46,14 @@ def main() -> None:
         st.error(str(e))
         st.stop()
     st.sidebar.download_button(
-        "Export run (Perfetto JSON)", data=lambda: run_export(run), file_name="pushkv-run.perfetto.json",
-        mime="application/json", key="export_run", on_click="ignore",
-        help="Open in ui.perfetto.dev or chrome://tracing")
+        "Export run (Perfetto JSON)",
+        data=lambda: run_export(run),
+        file_name="pushkv-run.perfetto.json",
+        mime="application/json",
+        key="export_run",
+        on_click="ignore",
+        help="Open in ui.perfetto.dev or chrome://tracing",
+    )
     st.sidebar.caption(f"{len(run.traces)} traces from `{run.label}`")
     VIEWS[view][1](run, params)
     st.query_params.from_dict(params)

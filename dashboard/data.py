@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from functools import cached_property
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from pathlib import Path
 
 import pandas as pd
@@ -25,9 +25,23 @@ from telemetry.traces import read_run
 
 OK = Outcome.OK.value
 # request-table columns, in display order
-COLUMNS = ["flag", "request_id", "ttft_ms", "tpot_ms", "input_tokens", "output_tokens", "mode",
-           "stream", "outcome", "reason", "load", "largest_segment", "unknown_ms", "start_s",
-           "trace_id"]
+COLUMNS = [
+    "flag",
+    "request_id",
+    "ttft_ms",
+    "tpot_ms",
+    "input_tokens",
+    "output_tokens",
+    "mode",
+    "stream",
+    "outcome",
+    "reason",
+    "load",
+    "largest_segment",
+    "unknown_ms",
+    "start_s",
+    "trace_id",
+]
 
 
 @dataclass(frozen=True)
@@ -70,11 +84,19 @@ def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
         prompt = _num(prefill.attr(Attr.PROMPT_TOKENS.value)) if prefill else None
     outcome = a.get(Attr.OUTCOME.value)
     if outcome is None:
-        outcome = ("incomplete" if req is None else "error" if req.is_error
-                   else OK if chunk else "no first token")
+        outcome = (
+            "incomplete"
+            if req is None
+            else "error"
+            if req.is_error
+            else OK
+            if chunk
+            else "no first token"
+        )
     errors = [sp for sp in t.spans if sp.is_error]
     reason = (req.attr(Attr.REASON.value) if req and req.is_error else None) or next(
-        (sp.attr(Attr.REASON.value) or sp.status_message for sp in errors), None)
+        (sp.attr(Attr.REASON.value) or sp.status_message for sp in errors), None
+    )
     largest = unknown = None
     if path is not None:
         known = [s for s in path.segments if s.name is not Seg.UNKNOWN]
@@ -82,14 +104,20 @@ def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
         unknown = sum(s.duration_ns for s in path.segments if s.name is Seg.UNKNOWN) / 1e6
     return {
         "request_id": str(a.get(Attr.REQUEST_ID.value) or t.trace_id[:16]),
-        "ttft_ms": ttft, "tpot_ms": tpot, "input_tokens": prompt, "output_tokens": out_tokens,
+        "ttft_ms": ttft,
+        "tpot_ms": tpot,
+        "input_tokens": prompt,
+        "output_tokens": out_tokens,
         "mode": str(a.get(Attr.MODE.value) or (path.mode if path else "unknown")),
         "stream": a.get(Attr.STREAM.value),  # not streamed: the first chunk is the whole answer
-        "outcome": str(outcome), "reason": str(reason) if reason else "",
-        "largest_segment": largest or "", "unknown_ms": unknown,
+        "outcome": str(outcome),
+        "reason": str(reason) if reason else "",
+        "largest_segment": largest or "",
+        "unknown_ms": unknown,
         "anomalies": len(path.anomalies) if path else 0,
         "start_ns": req.start_ns if req else t.start_ns,
-        "end_ns": req.end_ns if req else t.end_ns, "trace_id": t.trace_id,
+        "end_ns": req.end_ns if req else t.end_ns,
+        "trace_id": t.trace_id,
     }
 
 
@@ -102,11 +130,17 @@ def in_flight_at_arrival(starts: list[int], ends: list[int]) -> list[int]:
 def attention_order(df: pd.DataFrame) -> pd.DataFrame:
     """Failed first, then slowest TTFT first; requests without a TTFT sort as slow."""
     key = pd.DataFrame({"failed": df["outcome"] != OK, "ttft": df["ttft_ms"].fillna(float("inf"))})
-    return df.loc[key.sort_values(["failed", "ttft"], ascending=[False, False]).index].reset_index(drop=True)
+    return df.loc[key.sort_values(["failed", "ttft"], ascending=[False, False]).index].reset_index(
+        drop=True
+    )
 
 
 def _flags(df: pd.DataFrame) -> pd.Series:
-    slow_at = df.loc[df["outcome"] == OK, "ttft_ms"].quantile(0.95) if (df["outcome"] == OK).any() else None
+    slow_at = (
+        df.loc[df["outcome"] == OK, "ttft_ms"].quantile(0.95)
+        if (df["outcome"] == OK).any()
+        else None
+    )
     flags = []
     for outcome, ttft, anomalies in zip(df["outcome"], df["ttft_ms"], df["anomalies"], strict=True):
         if outcome != OK:
@@ -140,16 +174,26 @@ def request_frame(traces: list[Trace], paths: dict[str, CriticalPath | None]) ->
 
 def segment_frame(paths: dict[str, CriticalPath | None]) -> pd.DataFrame:
     """Long form: one row per (request with a TTFT, segment name), in ms."""
-    rows = [(tid, name.value, ns / 1e6)
-            for tid, p in paths.items() if p is not None and p.ttft_ns is not None
-            for name, ns in p.durations_ns().items()]
+    rows = [
+        (tid, name.value, ns / 1e6)
+        for tid, p in paths.items()
+        if p is not None and p.ttft_ns is not None
+        for name, ns in p.durations_ns().items()
+    ]
     return pd.DataFrame(rows, columns=["trace_id", "segment", "ms"])
 
 
 def analyse(label: str, traces: list[Trace], problems: tuple[str, ...] = ()) -> RunData:
     paths = {t.trace_id: critical_path(t) for t in traces}
-    return RunData(label, {t.trace_id: t for t in traces}, paths, request_frame(traces, paths),
-                   segment_frame(paths), problems, sum(1 for t in traces if not is_request(t)))
+    return RunData(
+        label,
+        {t.trace_id: t for t in traces},
+        paths,
+        request_frame(traces, paths),
+        segment_frame(paths),
+        problems,
+        sum(1 for t in traces if not is_request(t)),
+    )
 
 
 def load_run_folder(folder: str | Path) -> RunData:
@@ -157,11 +201,13 @@ def load_run_folder(folder: str | Path) -> RunData:
     return analyse(str(folder), list(run.traces), run.problems)
 
 
-def load_jaeger(url: str, service: str = Service.ROUTER.value, lookback_min: float = 60,
-                limit: int = 1000) -> RunData:
+def load_jaeger(
+    url: str, service: str = Service.ROUTER.value, lookback_min: float = 60, limit: int = 1000
+) -> RunData:
     now = datetime.now(UTC)
-    traces = JaegerClient(url).find_traces(service, now - timedelta(minutes=lookback_min), now,
-                                           limit=limit)
+    traces = JaegerClient(url).find_traces(
+        service, now - timedelta(minutes=lookback_min), now, limit=limit
+    )
     return analyse(f"{url} ({service}, last {lookback_min:g} min)", traces)
 
 
@@ -186,10 +232,12 @@ def decomposition(run: RunData, by: str) -> pd.DataFrame:
     if run.segments.empty:
         return pd.DataFrame(columns=["bucket", "segment", "ms", "requests"])
     buckets = run.requests.set_index("trace_id")[by].map(
-        lambda v: pow2_bucket(v, 16 if by == "input_tokens" else 1))
+        lambda v: pow2_bucket(v, 16 if by == "input_tokens" else 1)
+    )
     seg = run.segments.assign(bucket=run.segments["trace_id"].map(buckets))
-    wide = seg.pivot_table(index=["bucket", "trace_id"], columns="segment", values="ms",
-                           aggfunc="sum", fill_value=0.0)
+    wide = seg.pivot_table(
+        index=["bucket", "trace_id"], columns="segment", values="ms", aggfunc="sum", fill_value=0.0
+    )
     means = wide.groupby(level="bucket").mean()
     counts = wide.groupby(level="bucket").size()
     long = means.reset_index().melt(id_vars="bucket", var_name="segment", value_name="ms")
@@ -206,12 +254,21 @@ def percentiles(run: RunData) -> pd.DataFrame:
     ok = run.requests.dropna(subset=["ttft_ms"])
     rows = {"TTFT": ok["ttft_ms"]}
     if not run.segments.empty:
-        wide = run.segments.pivot_table(index="trace_id", columns="segment", values="ms",
-                                        aggfunc="sum", fill_value=0.0)
+        wide = run.segments.pivot_table(
+            index="trace_id", columns="segment", values="ms", aggfunc="sum", fill_value=0.0
+        )
         for s in Seg:
             if s.value in wide.columns:
                 rows[s.value] = wide[s.value]
-    out = pd.DataFrame({name: {**{k: col.quantile(q) for k, q in qs.items()}, "mean": col.mean(),
-                               "requests": int(col.count())} for name, col in rows.items()}).T
+    out = pd.DataFrame(
+        {
+            name: {
+                **{k: col.quantile(q) for k, q in qs.items()},
+                "mean": col.mean(),
+                "requests": int(col.count()),
+            }
+            for name, col in rows.items()
+        }
+    ).T
     out.index.name = "ms"
     return out

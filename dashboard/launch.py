@@ -17,14 +17,30 @@ APP = Path(__file__).resolve().parent / "app.py"
 DEFAULT_PORT = 8501
 
 
-def command(run_dir: str | os.PathLike[str], port: int = DEFAULT_PORT,
-            address: str = "127.0.0.1") -> list[str]:
+def command(
+    run_dir: str | os.PathLike[str], port: int = DEFAULT_PORT, address: str = "127.0.0.1"
+) -> list[str]:
     """The argv that serves the dashboard on ``run_dir`` at http://address:port."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP),
-            "--server.address", address, "--server.port", str(port),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--server.enableStaticServing", "true",  # dashboard.views.chart's light bundle
-            "--", "--run-dir", str(Path(run_dir).resolve())]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.address",
+        address,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.enableStaticServing",
+        "true",  # dashboard.views.chart's light bundle
+        "--",
+        "--run-dir",
+        str(Path(run_dir).resolve()),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

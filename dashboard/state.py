@@ -49,8 +49,9 @@ def cli_run_dir(argv: Sequence[str]) -> str | None:
     return None
 
 
-def default_source(query: Mapping[str, str], environ: Mapping[str, str], argv: Sequence[str],
-                   prefix: str = "") -> Source:
+def default_source(
+    query: Mapping[str, str], environ: Mapping[str, str], argv: Sequence[str], prefix: str = ""
+) -> Source:
     """The source a fresh page shows (pure, so it can be tested without Streamlit)."""
     jaeger_q, run_q = query.get(f"{prefix}jaeger"), query.get(f"{prefix}run")
     service = query.get("service") or Service.ROUTER.value

@@ -41,10 +41,15 @@ class TraceSink:
         self.exports = self.spans = self.rejected = 0
 
     def write(self, traces: dict[str, Any]) -> int:
-        n = sum(len(ss.get("spans", ())) for rs in traces.get("resourceSpans", ())
-                for ss in rs.get("scopeSpans", ()))
-        line = json.dumps({"resourceSpans": traces.get("resourceSpans", [])},
-                          separators=(",", ":")) + "\n"
+        n = sum(
+            len(ss.get("spans", ()))
+            for rs in traces.get("resourceSpans", ())
+            for ss in rs.get("scopeSpans", ())
+        )
+        line = (
+            json.dumps({"resourceSpans": traces.get("resourceSpans", [])}, separators=(",", ":"))
+            + "\n"
+        )
         with self._lock:
             self._file.write(line)
             self._file.flush()
@@ -97,8 +102,9 @@ def create_app(sink: TraceSink) -> Any:
     async def traces(request: Request) -> Response:
         ctype = request.headers.get("content-type", "")
         try:
-            data = decode_export(await request.body(), ctype,
-                                 request.headers.get("content-encoding", ""))
+            data = decode_export(
+                await request.body(), ctype, request.headers.get("content-encoding", "")
+            )
         except ValueError as exc:
             sink.rejected += 1
             return JSONResponse({"code": 3, "message": str(exc)}, status_code=400)
@@ -112,30 +118,45 @@ def create_app(sink: TraceSink) -> Any:
         return JSONResponse({})
 
     async def health(_request: Request) -> Response:
-        return JSONResponse({"status": "ok", "file": str(sink.path), "exports": sink.exports,
-                             "spans": sink.spans, "rejected": sink.rejected})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "file": str(sink.path),
+                "exports": sink.exports,
+                "spans": sink.spans,
+                "rejected": sink.rejected,
+            }
+        )
 
-    return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"]),
-                             Route("/health", health, methods=["GET"])])
+    return Starlette(
+        routes=[
+            Route("/v1/traces", traces, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pushkv collect", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4318)
-    parser.add_argument("--run-dir", default=os.environ.get("PUSHKV_RUN_DIR", "runs/latest"),
-                        help="where traces-collector-<pid>.jsonl goes (default: $PUSHKV_RUN_DIR "
-                             "or runs/latest)")
+    parser.add_argument(
+        "--run-dir",
+        default=os.environ.get("PUSHKV_RUN_DIR", "runs/latest"),
+        help="where traces-collector-<pid>.jsonl goes (default: $PUSHKV_RUN_DIR or runs/latest)",
+    )
     args = parser.parse_args(argv)
     import uvicorn
 
     sink = TraceSink(Path(args.run_dir) / f"traces-collector-{os.getpid()}.jsonl")
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logger.info("OTLP/HTTP receiver on http://%s:%d/v1/traces -> %s", args.host, args.port,
-                sink.path)
+    logger.info(
+        "OTLP/HTTP receiver on http://%s:%d/v1/traces -> %s", args.host, args.port, sink.path
+    )
     try:
-        uvicorn.run(create_app(sink), host=args.host, port=args.port, access_log=False,
-                    log_level="warning")
+        uvicorn.run(
+            create_app(sink), host=args.host, port=args.port, access_log=False, log_level="warning"
+        )
     finally:
         sink.close()
     return 0

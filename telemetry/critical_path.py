@@ -55,9 +55,17 @@ class Seg(str, Enum):
     UNKNOWN = "unknown"
 
 
-PUSH_SEGMENTS: tuple[Seg, ...] = (Seg.ROUTER, Seg.P_QUEUE, Seg.P_PREFILL, Seg.RENDEZVOUS,
-                                  Seg.DESCRIPTORS, Seg.WRITE, Seg.NOTIFY, Seg.D_STEP,
-                                  Seg.STREAM_BACK)
+PUSH_SEGMENTS: tuple[Seg, ...] = (
+    Seg.ROUTER,
+    Seg.P_QUEUE,
+    Seg.P_PREFILL,
+    Seg.RENDEZVOUS,
+    Seg.DESCRIPTORS,
+    Seg.WRITE,
+    Seg.NOTIFY,
+    Seg.D_STEP,
+    Seg.STREAM_BACK,
+)
 ROUTER_SEGMENTS: tuple[Seg, ...] = (Seg.ROUTER, Seg.PREFILL_LEG, Seg.DECODE_LEG, Seg.STREAM_BACK)
 
 
@@ -163,7 +171,9 @@ def _of_rank(spans: Sequence[SpanRecord], rank: int | None) -> SpanRecord | None
     return max(pool, key=lambda sp: sp.end_ns) if pool else None
 
 
-def _single(trace: Trace, name: Span, anomalies: list[str], last: bool = False) -> SpanRecord | None:
+def _single(
+    trace: Trace, name: Span, anomalies: list[str], last: bool = False
+) -> SpanRecord | None:
     spans = trace.named(name.value)
     if len(spans) > 1:
         which = "last" if last else "first"
@@ -173,7 +183,9 @@ def _single(trace: Trace, name: Span, anomalies: list[str], last: bool = False) 
     return spans[-1] if last else spans[0]
 
 
-def _push_boundaries(trace: Trace, anomalies: list[str]) -> tuple[list[Boundary], list[Mark], int | None]:
+def _push_boundaries(
+    trace: Trace, anomalies: list[str]
+) -> tuple[list[Boundary], list[Mark], int | None]:
     # a retried dispatch makes a new prefill leg; the last one is the one that served the request
     leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
     writes = trace.named(Span.WRITE.value)
@@ -192,23 +204,31 @@ def _push_boundaries(trace: Trace, anomalies: list[str]) -> tuple[list[Boundary]
         Boundary("rendezvous_wait.end", _end(rdv), rdv),
         Boundary("prepare_descriptors.end", _end(prep), prep),
         Boundary("write.end", _end(write), write),
-        Boundary("first_token.scheduled", _event(first_token, Event.SCHEDULED), first_token,
-                 False),
+        Boundary("first_token.scheduled", _event(first_token, Event.SCHEDULED), first_token, False),
         Boundary("first_token.end", _end(first_token), first_token),
     ]
-    marks = [Mark(f"{name.value}.end", sp.end_ns)
-             for name in (Span.REGISTER, Span.AWAIT_KV, Span.FIRST_BYTE)
-             for sp in trace.named(name.value)[:1]]
-    met = [e.time_ns for e in (rdv.events if rdv else ())
-           if e.name in (Event.REGISTRATION.value, Event.PREFILL_DONE.value)]
+    marks = [
+        Mark(f"{name.value}.end", sp.end_ns)
+        for name in (Span.REGISTER, Span.AWAIT_KV, Span.FIRST_BYTE)
+        for sp in trace.named(name.value)[:1]
+    ]
+    met = [
+        e.time_ns
+        for e in (rdv.events if rdv else ())
+        if e.name in (Event.REGISTRATION.value, Event.PREFILL_DONE.value)
+    ]
     if len(met) == 2:  # both sides known: the rest of the wait is P's hand-off to its thread
         marks.append(Mark("rendezvous met", max(met)))
     if len(writes) > 1:
-        marks += [Mark(f"write.end (tp_rank {_rank(w)})", w.end_ns) for w in writes if w is not write]
+        marks += [
+            Mark(f"write.end (tp_rank {_rank(w)})", w.end_ns) for w in writes if w is not write
+        ]
     return bounds, marks, rank
 
 
-def _router_boundaries(trace: Trace, anomalies: list[str]) -> tuple[list[Boundary], list[Mark], None]:
+def _router_boundaries(
+    trace: Trace, anomalies: list[str]
+) -> tuple[list[Boundary], list[Mark], None]:
     leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
     first_byte = _single(trace, Span.FIRST_BYTE, anomalies)
     bounds = [
@@ -228,8 +248,9 @@ _MODELS: dict[str, tuple[tuple[Seg, ...], _Model]] = {
 }
 
 
-def _segments(names: Sequence[Seg], start: Boundary, bounds: Sequence[Boundary],
-              anomalies: list[str]) -> list[Segment]:
+def _segments(
+    names: Sequence[Seg], start: Boundary, bounds: Sequence[Boundary], anomalies: list[str]
+) -> list[Segment]:
     """Segment i ends at boundary i; a run of missing boundaries becomes one UNKNOWN segment
     reaching the next boundary that was observed (the last, the end, always is)."""
     out: list[Segment] = []
@@ -244,11 +265,20 @@ def _segments(names: Sequence[Seg], start: Boundary, bounds: Sequence[Boundary],
         ids = tuple(dict.fromkeys(sp.span_id for sp in bounding))
         keys = tuple(dict.fromkeys((sp.span_id, sp.name) for sp in bounding))
         covers = (*pending, name)
-        seg = Segment(Seg.UNKNOWN if pending else name, prev.time_ns, b.time_ns, covers, ids,
-                      _reason(b.span) if b.ends_span else None, keys)
+        seg = Segment(
+            Seg.UNKNOWN if pending else name,
+            prev.time_ns,
+            b.time_ns,
+            covers,
+            ids,
+            _reason(b.span) if b.ends_span else None,
+            keys,
+        )
         if seg.negative:
-            anomalies.append(f"negative gap {prev.label} -> {b.label}: "
-                             f"{seg.duration_ns / 1e6:.3f} ms ({' + '.join(c.value for c in covers)})")
+            anomalies.append(
+                f"negative gap {prev.label} -> {b.label}: "
+                f"{seg.duration_ns / 1e6:.3f} ms ({' + '.join(c.value for c in covers)})"
+            )
         out.append(seg)
         prev, pending = b, []
     return out
@@ -271,8 +301,10 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
         return None
     shared = shared_span_ids(trace)
     if shared:
-        anomalies.append(f"{len(shared)} span id(s) shared by different spans "
-                         "(seeded id generators): parent links are ambiguous")
+        anomalies.append(
+            f"{len(shared)} span id(s) shared by different spans "
+            "(seeded id generators): parent links are ambiguous"
+        )
     mode = str(req.attr(Attr.MODE.value) or "unknown")
     model = model or model_for(mode, trace)
     names, boundaries_of = _MODELS[model]
@@ -281,16 +313,26 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
     end_ns = first_chunk if first_chunk is not None else req.end_ns
     # a first chunk is an event: the request's error (if any) belongs on the segment only
     # when the request ended without one
-    end = Boundary("request.first_chunk" if first_chunk is not None else "request.end",
-                   end_ns, req, ends_span=first_chunk is None)
+    end = Boundary(
+        "request.first_chunk" if first_chunk is not None else "request.end",
+        end_ns,
+        req,
+        ends_span=first_chunk is None,
+    )
     start = Boundary("request.start", req.start_ns, req, False)
     segments = _segments(names, start, [*bounds, end], anomalies)
     rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)  # the critical rank's
     first = rdv.attr(Attr.FIRST_ARRIVED.value) if rdv else None
     return CriticalPath(
-        trace_id=trace.trace_id, model=model, mode=mode, start_ns=req.start_ns,
+        trace_id=trace.trace_id,
+        model=model,
+        mode=mode,
+        start_ns=req.start_ns,
         end_ns=end_ns,
         ttft_ns=first_chunk - req.start_ns if first_chunk is not None else None,
-        segments=tuple(segments), marks=tuple(sorted(marks, key=lambda m: m.time_ns)),
-        anomalies=tuple(anomalies), rendezvous_first=str(first) if first else None,
-        critical_tp_rank=rank)
+        segments=tuple(segments),
+        marks=tuple(sorted(marks, key=lambda m: m.time_ns)),
+        anomalies=tuple(anomalies),
+        rendezvous_first=str(first) if first else None,
+        critical_tp_rank=rank,
+    )

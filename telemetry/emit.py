@@ -54,22 +54,33 @@ def traceparent_of(span: trace.Span) -> str | None:
     return carrier.get("traceparent")
 
 
-def emit(tracer: Tracer, name: Span, *, parent: Context | None, start_ns: int, end_ns: int,
-         attributes: Mapping[Attr, AttrValue | None] | None = None, events: Events = (),
-         error: str | None = None, kind: SpanKind = SpanKind.INTERNAL) -> trace.Span:
+def emit(
+    tracer: Tracer,
+    name: Span,
+    *,
+    parent: Context | None,
+    start_ns: int,
+    end_ns: int,
+    attributes: Mapping[Attr, AttrValue | None] | None = None,
+    events: Events = (),
+    error: str | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> trace.Span:
     """Record one finished span. ``end_ns`` before ``start_ns`` (clocks read in different
     threads) is clamped to a zero-length span rather than a negative one. ``error``: the
     span ends with an error status, ``pushkv.reason`` = error, ``pushkv.outcome`` kept if
     given (else the reason)."""
-    attrs: dict[str, AttrValue] = {k.value: v for k, v in (attributes or {}).items()
-                                   if v is not None}
+    attrs: dict[str, AttrValue] = {
+        k.value: v for k, v in (attributes or {}).items() if v is not None
+    }
     if error is not None:
         attrs[Attr.REASON.value] = error
         attrs.setdefault(Attr.OUTCOME.value, error)
     else:
         attrs.setdefault(Attr.OUTCOME.value, Outcome.OK.value)
-    span = tracer.start_span(name.value, context=parent, kind=kind, start_time=start_ns,
-                             attributes=attrs)
+    span = tracer.start_span(
+        name.value, context=parent, kind=kind, start_time=start_ns, attributes=attrs
+    )
     for event, at_ns in events:
         if at_ns:
             span.add_event(event.value, timestamp=max(at_ns, start_ns))
@@ -82,4 +93,3 @@ def emit(tracer: Tracer, name: Span, *, parent: Context | None, start_ns: int, e
 def context_of(span: trace.Span) -> Context:
     """A context whose current span is ``span`` (to parent children on it)."""
     return trace.set_span_in_context(span)
-

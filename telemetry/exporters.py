@@ -61,7 +61,8 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
     groups: dict[Any, dict[Any, list[dict[str, Any]]]] = {}
     for span in spans:
         groups.setdefault(span.resource, {}).setdefault(
-            span.instrumentation_scope or None, []).append(_span(span))
+            span.instrumentation_scope or None, []
+        ).append(_span(span))
     resource_spans = []
     for resource, scopes in groups.items():
         scope_spans = []
@@ -70,8 +71,10 @@ def encode_line(spans: Sequence[ReadableSpan]) -> str:
             if scope is not None and scope.schema_url:
                 ss["schemaUrl"] = scope.schema_url
             scope_spans.append(ss)
-        rs: dict[str, Any] = {"resource": _attrs_obj(resource.attributes),
-                              "scopeSpans": scope_spans}
+        rs: dict[str, Any] = {
+            "resource": _attrs_obj(resource.attributes),
+            "scopeSpans": scope_spans,
+        }
         if resource.schema_url:
             rs["schemaUrl"] = resource.schema_url
         resource_spans.append(rs)
@@ -93,8 +96,7 @@ def _value(v: Any) -> dict[str, Any]:
         return {"bytesValue": base64.b64encode(v).decode()}
     if isinstance(v, (list, tuple)):
         return {"arrayValue": {"values": [_value(x) for x in v]} if v else {}}
-    return {"kvlistValue": {"values": [{"key": str(k), "value": _value(x)}
-                                       for k, x in v.items()]}}
+    return {"kvlistValue": {"values": [{"key": str(k), "value": _value(x)} for k, x in v.items()]}}
 
 
 def _attrs(attributes: Any) -> list[dict[str, Any]]:
@@ -130,8 +132,10 @@ _STATUS = {c: c.value for c in StatusCode}
 
 def _span(span: ReadableSpan) -> dict[str, Any]:
     ctx = span.get_span_context()
-    out: dict[str, Any] = {"traceId": format(ctx.trace_id, "032x"),
-                           "spanId": format(ctx.span_id, "016x")}
+    out: dict[str, Any] = {
+        "traceId": format(ctx.trace_id, "032x"),
+        "spanId": format(ctx.span_id, "016x"),
+    }
     if ctx.trace_state:
         out["traceState"] = ",".join(f"{k}={v}" for k, v in ctx.trace_state.items())
     if span.parent is not None:
@@ -159,8 +163,10 @@ def _span(span: ReadableSpan) -> dict[str, Any]:
     if span.links:
         links = []
         for link in span.links:
-            lk: dict[str, Any] = {"traceId": format(link.context.trace_id, "032x"),
-                                  "spanId": format(link.context.span_id, "016x")}
+            lk: dict[str, Any] = {
+                "traceId": format(link.context.trace_id, "032x"),
+                "spanId": format(link.context.span_id, "016x"),
+            }
             if link.attributes:
                 lk["attributes"] = _attrs(link.attributes)
             if link.dropped_attributes:

@@ -62,30 +62,38 @@ class JaegerClient:
             with httpx.Client(timeout=self.timeout_s, transport=self.transport) as client:
                 resp = client.get(url, params=params)
         except httpx.TimeoutException as e:
-            raise JaegerError(f"Jaeger at {self.base_url} did not answer {path} within "
-                              f"{self.timeout_s:g} s ({e})") from e
+            raise JaegerError(
+                f"Jaeger at {self.base_url} did not answer {path} within {self.timeout_s:g} s ({e})"
+            ) from e
         except httpx.HTTPError as e:
-            raise JaegerError(f"cannot reach Jaeger at {self.base_url} ({type(e).__name__}: {e}); "
-                              "is it running, and is this its query port (16686)?") from e
+            raise JaegerError(
+                f"cannot reach Jaeger at {self.base_url} ({type(e).__name__}: {e}); "
+                "is it running, and is this its query port (16686)?"
+            ) from e
         if resp.status_code == 404:
             return None
         if resp.status_code != 200:
-            raise JaegerError(f"Jaeger answered {path} with HTTP {resp.status_code}: "
-                              f"{_error_message(resp)}")
+            raise JaegerError(
+                f"Jaeger answered {path} with HTTP {resp.status_code}: {_error_message(resp)}"
+            )
         try:
             body = resp.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise JaegerError(f"Jaeger's answer to {path} is not JSON: {resp.text[:200]!r}") from e
         if not isinstance(body, dict):
-            raise JaegerError(f"Jaeger's answer to {path} is not a JSON object: {resp.text[:200]!r}")
+            raise JaegerError(
+                f"Jaeger's answer to {path} is not a JSON object: {resp.text[:200]!r}"
+            )
         return body
 
     def _traces(self, body: dict[str, Any] | None, path: str) -> list[Trace]:
         if body is None:
             return []
         if "result" not in body:
-            raise JaegerError(f"Jaeger's answer to {path} has no 'result' (is this the v3 API?): "
-                              f"keys {sorted(body)}")
+            raise JaegerError(
+                f"Jaeger's answer to {path} has no 'result' (is this the v3 API?): "
+                f"keys {sorted(body)}"
+            )
         try:
             return group_traces(parse_traces_data(body["result"] or {}))
         except OtlpFormatError as e:
@@ -101,22 +109,36 @@ class JaegerClient:
         traces = self._traces(self._get(path, {"raw_traces": "true"}), path)
         return next((t for t in traces if t.trace_id == trace_id.lower()), None)
 
-    def find_page(self, service: str, start_min_ns: int, start_max_ns: int, depth: int,
-                  operation: str | None = None) -> list[Trace]:
+    def find_page(
+        self,
+        service: str,
+        start_min_ns: int,
+        start_max_ns: int,
+        depth: int,
+        operation: str | None = None,
+    ) -> list[Trace]:
         """One search call: at most ``depth`` traces of ``service`` started in the window."""
-        params = {"query.service_name": service,
-                  "query.start_time_min": rfc3339_nano(start_min_ns),
-                  "query.start_time_max": rfc3339_nano(start_max_ns),
-                  "query.search_depth": str(depth),
-                  # no clock-skew "fixing": one host clock, and P's WRITE may outlive its leg
-                  "query.raw_traces": "true"}
+        params = {
+            "query.service_name": service,
+            "query.start_time_min": rfc3339_nano(start_min_ns),
+            "query.start_time_max": rfc3339_nano(start_max_ns),
+            "query.search_depth": str(depth),
+            # no clock-skew "fixing": one host clock, and P's WRITE may outlive its leg
+            "query.raw_traces": "true",
+        }
         if operation:
             params["query.operation_name"] = operation
         return self._traces(self._get("/api/v3/traces", params), "/api/v3/traces")
 
-    def find_traces(self, service: str, start_min: datetime, start_max: datetime | None = None,
-                    limit: int = 1000, page_size: int = DEFAULT_PAGE_SIZE,
-                    operation: str | None = None) -> list[Trace]:
+    def find_traces(
+        self,
+        service: str,
+        start_min: datetime,
+        start_max: datetime | None = None,
+        limit: int = 1000,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        operation: str | None = None,
+    ) -> list[Trace]:
         """Up to ``limit`` traces of ``service`` started in [start_min, start_max], by start."""
         if limit <= 0:
             return []

@@ -187,9 +187,13 @@ def parse_span(sp: Mapping[str, Any], resource: Mapping[str, Any]) -> SpanRecord
         status_message=status.get("message", ""),
         attributes=attributes(sp.get("attributes", ())),
         events=tuple(
-            SpanEvent(ev.get("name", ""), _nanos(ev.get("timeUnixNano", 0), f"event of {name!r}"),
-                      attributes(ev.get("attributes", ())))
-            for ev in sp.get("events", ())),
+            SpanEvent(
+                ev.get("name", ""),
+                _nanos(ev.get("timeUnixNano", 0), f"event of {name!r}"),
+                attributes(ev.get("attributes", ())),
+            )
+            for ev in sp.get("events", ())
+        ),
         resource=resource,
     )
 
@@ -218,8 +222,10 @@ def group_traces(spans: Iterable[SpanRecord]) -> list[Trace]:
     by_id: dict[str, dict[tuple[str, str, int, int, str], SpanRecord]] = {}
     for sp in spans:
         by_id.setdefault(sp.trace_id, {}).setdefault(_identity(sp), sp)
-    traces = [Trace(tid, tuple(sorted(sps.values(), key=lambda s: (s.start_ns, -s.end_ns))))
-              for tid, sps in by_id.items()]
+    traces = [
+        Trace(tid, tuple(sorted(sps.values(), key=lambda s: (s.start_ns, -s.end_ns))))
+        for tid, sps in by_id.items()
+    ]
     traces.sort(key=lambda t: t.spans[0].start_ns)
     return traces
 

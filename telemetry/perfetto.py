@@ -50,8 +50,9 @@ def _args(sp: SpanRecord) -> dict[str, Any]:
     return args
 
 
-def chrome_trace(traces: Iterable[Trace],
-                 paths: Mapping[str, CriticalPath | None] | None = None) -> dict[str, Any]:
+def chrome_trace(
+    traces: Iterable[Trace], paths: Mapping[str, CriticalPath | None] | None = None
+) -> dict[str, Any]:
     """One Chrome trace JSON object for ``traces`` (times relative to the earliest span)."""
     traces = list(traces)
     paths = paths or {}
@@ -65,16 +66,30 @@ def chrome_trace(traces: Iterable[Trace],
     def pid_for(name: str) -> int:
         if name not in pids:
             pids[name] = len(pids) + 1
-            events.append({"ph": "M", "name": "process_name", "pid": pids[name], "tid": 0,
-                           "args": {"name": name}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "process_name",
+                    "pid": pids[name],
+                    "tid": 0,
+                    "args": {"name": name},
+                }
+            )
         return pids[name]
 
     def tid_for(pid: int, trace: Trace, lane: int, label: str) -> int:
         key = (pid, trace.trace_id, lane)
         if key not in tids:
             tids[key] = len(tids) + 1
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[key],
-                           "args": {"name": label}})
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pid,
+                    "tid": tids[key],
+                    "args": {"name": label},
+                }
+            )
         return tids[key]
 
     for trace in traces:
@@ -85,26 +100,59 @@ def chrome_trace(traces: Iterable[Trace],
         for inst, spans in by_instance.items():
             pid = pid_for(inst)
             for sp, lane in zip(spans, _lanes(spans), strict=True):
-                tid = tid_for(pid, trace, lane, f"trace {short}" + (f" lane {lane}" if lane else ""))
-                events.append({"ph": "X", "name": sp.name, "cat": inst,
-                               "ts": _us(sp.start_ns, origin),
-                               "dur": max(sp.duration_ns, 0) / 1e3, "pid": pid, "tid": tid,
-                               "args": _args(sp)})
+                tid = tid_for(
+                    pid, trace, lane, f"trace {short}" + (f" lane {lane}" if lane else "")
+                )
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": sp.name,
+                        "cat": inst,
+                        "ts": _us(sp.start_ns, origin),
+                        "dur": max(sp.duration_ns, 0) / 1e3,
+                        "pid": pid,
+                        "tid": tid,
+                        "args": _args(sp),
+                    }
+                )
                 for ev in sp.events:
-                    events.append({"ph": "i", "s": "t", "name": ev.name, "pid": pid, "tid": tid,
-                                   "ts": _us(ev.time_ns, origin), "args": dict(ev.attributes)})
+                    events.append(
+                        {
+                            "ph": "i",
+                            "s": "t",
+                            "name": ev.name,
+                            "pid": pid,
+                            "tid": tid,
+                            "ts": _us(ev.time_ns, origin),
+                            "args": dict(ev.attributes),
+                        }
+                    )
         path = paths.get(trace.trace_id)
         if path is not None:
             pid = pid_for(CRITICAL_PATH_PROCESS)
             tid = tid_for(pid, trace, 0, f"trace {short}")
             for seg in path.segments:
-                name = seg.name.value if seg.name is not Seg.UNKNOWN else (
-                    "unknown: " + " + ".join(c.value for c in seg.covers))
-                events.append({"ph": "X", "name": name, "cat": "critical path",
-                               "ts": _us(min(seg.start_ns, seg.end_ns), origin),
-                               "dur": abs(seg.duration_ns) / 1e3, "pid": pid, "tid": tid,
-                               "args": {"duration_ms": seg.duration_ns / 1e6,
-                                        "negative": seg.negative, "error": seg.error}})
+                name = (
+                    seg.name.value
+                    if seg.name is not Seg.UNKNOWN
+                    else ("unknown: " + " + ".join(c.value for c in seg.covers))
+                )
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": name,
+                        "cat": "critical path",
+                        "ts": _us(min(seg.start_ns, seg.end_ns), origin),
+                        "dur": abs(seg.duration_ns) / 1e3,
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {
+                            "duration_ms": seg.duration_ns / 1e6,
+                            "negative": seg.negative,
+                            "error": seg.error,
+                        },
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -55,9 +55,15 @@ def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
-def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[str] | None = None,
-                  attributes: dict[str, Any] | None = None, set_global: bool = True,
-                  export_delay_ms: int = 500) -> Any:
+def setup_tracing(
+    service_name: str,
+    *,
+    role: str,
+    run_dir: str | os.PathLike[str] | None = None,
+    attributes: dict[str, Any] | None = None,
+    set_global: bool = True,
+    export_delay_ms: int = 500,
+) -> Any:
     """Build (and by default install) this process's TracerProvider; None when disabled."""
     if _env("OTEL_SDK_DISABLED").lower() == "true":
         return None
@@ -67,11 +73,18 @@ def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[st
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     name = _env("OTEL_SERVICE_NAME") or service_name
-    resource = Resource.create({R.SERVICE_NAME.value: name, R.ROLE.value: role, **(attributes or {})})
+    resource = Resource.create(
+        {R.SERVICE_NAME.value: name, R.ROLE.value: role, **(attributes or {})}
+    )
     provider = TracerProvider(resource=resource, id_generator=_id_generator())
-    provider.add_span_processor(BatchSpanProcessor(
-        _exporter(name, run_dir), max_queue_size=65536, max_export_batch_size=2048,
-        schedule_delay_millis=export_delay_ms))
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            _exporter(name, run_dir),
+            max_queue_size=65536,
+            max_export_batch_size=2048,
+            schedule_delay_millis=export_delay_ms,
+        )
+    )
     if set_global:
         trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)  # flushes: spans are not lost when the process exits
@@ -81,12 +94,17 @@ def setup_tracing(service_name: str, *, role: str, run_dir: str | os.PathLike[st
 def _exporter(service: str, run_dir: str | os.PathLike[str] | None) -> Any:
     endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
     if endpoint:
-        proto = (_env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
-                 or "http/protobuf")
+        proto = (
+            _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
         if proto == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
             return OTLPSpanExporter()  # reads the endpoint and headers from the environment
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
         return Http()
     from telemetry.exporters import JsonLinesSpanExporter
 
@@ -94,8 +112,9 @@ def _exporter(service: str, run_dir: str | os.PathLike[str] | None) -> Any:
     return JsonLinesSpanExporter(folder / f"traces-{service}-{os.getpid()}.jsonl")
 
 
-def process_tracer(service_name: str, *, role: str, attributes: dict[str, Any] | None = None,
-                   scope: str = "pushkv") -> Any:
+def process_tracer(
+    service_name: str, *, role: str, attributes: dict[str, Any] | None = None, scope: str = "pushkv"
+) -> Any:
     """The tracer of this process's own provider, made on first use (None when tracing is
     off). For code that lives inside another program (vLLM's EngineCore and workers): the
     provider is not installed globally, so vLLM's own tracing set-up is left alone, and the
@@ -104,8 +123,9 @@ def process_tracer(service_name: str, *, role: str, attributes: dict[str, Any] |
     if pid not in _PROCESS:
         # Export within 100 ms: a vLLM process can be killed at shutdown with spans still
         # queued, and an idle export thread costs nothing.
-        _PROCESS[pid] = setup_tracing(service_name, role=role, attributes=attributes,
-                                      set_global=False, export_delay_ms=100)
+        _PROCESS[pid] = setup_tracing(
+            service_name, role=role, attributes=attributes, set_global=False, export_delay_ms=100
+        )
     provider = _PROCESS[pid]
     return None if provider is None else provider.get_tracer(scope)
 

@@ -13,8 +13,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from telemetry.otlp_json import (OtlpFormatError, SpanRecord, Trace, group_traces, parse_traces_data,
-                                 shared_span_ids)
+from telemetry.otlp_json import (
+    OtlpFormatError,
+    SpanRecord,
+    Trace,
+    group_traces,
+    parse_traces_data,
+    shared_span_ids,
+)
 from telemetry.schema import Resource
 
 TRACE_FILE_GLOB = "traces-*.jsonl"  # the name telemetry.setup gives each process's file
@@ -83,9 +89,11 @@ def read_run(folder: str | os.PathLike[str]) -> RunTraces:
     shared = [t for t in traces if shared_span_ids(t)]
     if shared:
         ids = sum(len(shared_span_ids(t)) for t in shared)
-        problems.append(f"{ids} span id(s) are carried by different spans in {len(shared)} trace(s): "
-                        "the processes' id generators were seeded alike (e.g. by a seeded "
-                        "`random`); parent links to those ids are ambiguous")
+        problems.append(
+            f"{ids} span id(s) are carried by different spans in {len(shared)} trace(s): "
+            "the processes' id generators were seeded alike (e.g. by a seeded "
+            "`random`); parent links to those ids are ambiguous"
+        )
     return RunTraces(path, tuple(traces), tuple(files), tuple(problems))
 
 

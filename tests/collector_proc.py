@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from connector.stack import free_port, stop_process_group, tail_lines
+from connector.tools.stack import free_port, stop_process_group, tail_lines
 
 START_TIMEOUT_S = 30.0
 
@@ -37,23 +37,39 @@ def running_collector(run_dir: Path) -> Iterator[Collector]:
     run_dir.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "connector.cli", "collect", "--port", str(port),
-             "--run-dir", str(run_dir)], stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "connector.cli",
+                "collect",
+                "--port",
+                str(port),
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + START_TIMEOUT_S
             while True:
                 if proc.poll() is not None:
-                    raise AssertionError(f"collector exited {proc.returncode}:\n{tail_lines(log, 30)}")
+                    raise AssertionError(
+                        f"collector exited {proc.returncode}:\n{tail_lines(log, 30)}"
+                    )
                 try:
                     if httpx.get(f"{url}/health", timeout=1.0, trust_env=False).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"collector not healthy after {START_TIMEOUT_S:.0f} s:\n"
-                                         f"{tail_lines(log, 30)}")
+                    raise AssertionError(
+                        f"collector not healthy after {START_TIMEOUT_S:.0f} s:\n"
+                        f"{tail_lines(log, 30)}"
+                    )
                 time.sleep(0.1)
             yield Collector(url, run_dir, proc.pid)
         finally:

@@ -235,8 +235,16 @@ class ReportReceived:
     reason: FailReason | None = None
 
 
-SenderEvent = (Registered | PrefillDone | PrefillAborted | SourceReclaimed | WriteDone | WriteFailed
-               | Cancelled | HeartbeatSeen)
+SenderEvent = (
+    Registered
+    | PrefillDone
+    | PrefillAborted
+    | SourceReclaimed
+    | WriteDone
+    | WriteFailed
+    | Cancelled
+    | HeartbeatSeen
+)
 ReceiverEvent = Expected | CompletionSeen | FailSeen | SendFailed | AbortRequested
 SenderAction = IssueWrite | AbortWrite | FreeBlocks | SendFail | ResendCompletion
 ReceiverAction = SendRegister | SendCancel | SendHeartbeat | ReportReceived

@@ -12,7 +12,7 @@ and unknown versions all raise ``RemoteProtocolError``; callers drop and count t
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Final, Union
+from typing import Annotated, Final
 
 import msgspec
 
@@ -134,7 +134,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
         return (self.transfer_id, *self.more_ids)
 
 
-Message = Union[Register, Completion, Fail, Cancel, Heartbeat]
+Message = Register | Completion | Fail | Cancel | Heartbeat
 
 
 class _Header(msgspec.Struct):
@@ -160,7 +160,7 @@ def decode(frame: bytes) -> Message:
         raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     if not frame.startswith(MAGIC):
         raise RemoteProtocolError("not a pushkv frame (bad magic)")
-    body = memoryview(frame)[len(MAGIC):]
+    body = memoryview(frame)[len(MAGIC) :]
     try:
         header = _header_decoder.decode(body)
     except msgspec.DecodeError as exc:

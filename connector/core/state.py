@@ -45,7 +45,9 @@ class SendState(enum.Enum):
         return self in _SEND_TERMINAL
 
 
-_SEND_TERMINAL = frozenset({SendState.DONE, SendState.FAILED, SendState.CANCELLED, SendState.EXPIRED})
+_SEND_TERMINAL = frozenset(
+    {SendState.DONE, SendState.FAILED, SendState.CANCELLED, SendState.EXPIRED}
+)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,9 @@ def _add_registration(rec: SendRecord, reg: Register, ctx: SendCtx) -> None:
     if reg.d_rank not in rec.expected_d_ranks:
         raise RemoteProtocolError(f"{reg.transfer_id}: D rank {reg.d_rank} is not written by us")
     if reg.d_rank in rec.registrations:
-        raise RemoteProtocolError(f"{reg.transfer_id}: duplicate registration of D rank {reg.d_rank}")
+        raise RemoteProtocolError(
+            f"{reg.transfer_id}: duplicate registration of D rank {reg.d_rank}"
+        )
     rec.registrations[reg.d_rank] = reg
 
 
@@ -111,8 +115,15 @@ def _issue(rec: SendRecord, ctx: SendCtx) -> list[Any]:
     rec.state, rec.write_issued = SendState.WRITING, True
     rec.deadline_ns = ctx.now_ns + ctx.policy.write_timeout_ns
     assert rec.request_id is not None
-    return [ev.IssueWrite(rec.transfer_id, rec.request_id, rec.block_ids, rec.num_tokens, tuple(
-        r for _, r in sorted(rec.registrations.items())))]
+    return [
+        ev.IssueWrite(
+            rec.transfer_id,
+            rec.request_id,
+            rec.block_ids,
+            rec.num_tokens,
+            tuple(r for _, r in sorted(rec.registrations.items())),
+        )
+    ]
 
 
 def _end(rec: SendRecord, state: SendState, ctx: SendCtx, reason: FailReason | None) -> list[Any]:
@@ -284,7 +295,11 @@ SEND_TABLE: dict[tuple[SendState, type], Transition] = {
     (_S.WRITING, DeadlinePassed): _s_writing_deadline,
     **{(t, ev.Registered): _s_terminal_registered for t in _SEND_TERMINAL},
     **{(t, ev.PrefillDone): _s_terminal_prefill for t in _SEND_TERMINAL if t is not _S.DONE},
-    **{(t, ev.PrefillAborted): _s_terminal_prefill_aborted for t in _SEND_TERMINAL if t is not _S.DONE},
+    **{
+        (t, ev.PrefillAborted): _s_terminal_prefill_aborted
+        for t in _SEND_TERMINAL
+        if t is not _S.DONE
+    },
     **{(t, ev.Cancelled): _s_terminal_cancelled for t in _SEND_TERMINAL},
     **{(t, ev.SourceReclaimed): _ignore for t in _SEND_TERMINAL},
 }
@@ -307,30 +322,43 @@ def _new_prefill(e: ev.PrefillDone, ctx: SendCtx) -> tuple[SendRecord, list[Any]
 
 def _new_prefill_aborted(e: ev.PrefillAborted, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
     # Remember the id so a registration arriving later is answered with Fail at once.
-    rec = SendRecord(e.transfer_id, SendState.FAILED, ctx.now_ns + ctx.policy.tombstone_ns,
-                     request_id=e.request_id, reason=FailReason.PREFILL_ABORTED)
+    rec = SendRecord(
+        e.transfer_id,
+        SendState.FAILED,
+        ctx.now_ns + ctx.policy.tombstone_ns,
+        request_id=e.request_id,
+        reason=FailReason.PREFILL_ABORTED,
+    )
     return rec, []
 
 
 def _new_cancelled(e: ev.Cancelled, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
     # D cancels something we never saw (its registration was lost): answer so D stops
     # waiting for us, and remember the id so a late registration or prefill is handled.
-    rec = SendRecord(e.transfer_id, SendState.CANCELLED, ctx.now_ns + ctx.policy.tombstone_ns,
-                     reason=FailReason.UNKNOWN_TRANSFER)
+    rec = SendRecord(
+        e.transfer_id,
+        SendState.CANCELLED,
+        ctx.now_ns + ctx.policy.tombstone_ns,
+        reason=FailReason.UNKNOWN_TRANSFER,
+    )
     if e.reason is FailReason.NOT_NEEDED:
         return rec, []
     return rec, [ev.SendFail(e.transfer_id, (e.d_addr,), FailReason.UNKNOWN_TRANSFER)]
 
 
-SEND_NEW.update({
-    ev.Registered: _new_registered,
-    ev.PrefillDone: _new_prefill,
-    ev.PrefillAborted: _new_prefill_aborted,
-    ev.Cancelled: _new_cancelled,
-})
+SEND_NEW.update(
+    {
+        ev.Registered: _new_registered,
+        ev.PrefillDone: _new_prefill,
+        ev.PrefillAborted: _new_prefill_aborted,
+        ev.Cancelled: _new_cancelled,
+    }
+)
 
 
-def send_transition(rec: SendRecord | None, event: Any, ctx: SendCtx) -> tuple[SendRecord | None, list[Any]]:
+def send_transition(
+    rec: SendRecord | None, event: Any, ctx: SendCtx
+) -> tuple[SendRecord | None, list[Any]]:
     """Apply one event to one transfer's record (None if the id is unknown)."""
     if rec is None:
         new = SEND_NEW.get(type(event))
@@ -343,8 +371,15 @@ def send_transition(rec: SendRecord | None, event: Any, ctx: SendCtx) -> tuple[S
     return rec, fn(rec, event, ctx)
 
 
-_LOCAL_EVENTS = (ev.PrefillDone, ev.PrefillAborted, ev.SourceReclaimed, ev.WriteDone,
-                 ev.WriteFailed, ev.Expected, ev.AbortRequested)
+_LOCAL_EVENTS = (
+    ev.PrefillDone,
+    ev.PrefillAborted,
+    ev.SourceReclaimed,
+    ev.WriteDone,
+    ev.WriteFailed,
+    ev.Expected,
+    ev.AbortRequested,
+)
 
 
 def _raise_out_of_turn(event: Any, state: enum.Enum | None) -> None:
@@ -393,7 +428,9 @@ class RecvRecord:
     abandoned: bool = False  # reported although a source never answered (last resort)
 
     def pending(self) -> tuple[ev.Source, ...]:
-        return tuple(self.sources[p] for p, s in sorted(self.status.items()) if s is SourceState.PENDING)
+        return tuple(
+            self.sources[p] for p, s in sorted(self.status.items()) if s is SourceState.PENDING
+        )
 
 
 @dataclass(frozen=True)
@@ -494,13 +531,20 @@ def _new_expected(e: ev.Expected, ctx: RecvCtx) -> tuple[RecvRecord, list[Any]]:
     sources = {s.p_rank: s for s in e.sources}
     if len(sources) != len(e.sources):
         raise LocalProtocolError(f"{e.transfer_id}: a source rank is listed twice")
-    rec = RecvRecord(e.transfer_id, e.request_id, RecvState.AWAITING,
-                     ctx.now_ns + ctx.policy.timeout_ns, sources,
-                     {p: SourceState.PENDING for p in sources})
+    rec = RecvRecord(
+        e.transfer_id,
+        e.request_id,
+        RecvState.AWAITING,
+        ctx.now_ns + ctx.policy.timeout_ns,
+        sources,
+        {p: SourceState.PENDING for p in sources},
+    )
     return rec, [ev.SendRegister(e.transfer_id, s) for s in e.sources]
 
 
-def recv_transition(rec: RecvRecord | None, event: Any, ctx: RecvCtx) -> tuple[RecvRecord | None, list[Any]]:
+def recv_transition(
+    rec: RecvRecord | None, event: Any, ctx: RecvCtx
+) -> tuple[RecvRecord | None, list[Any]]:
     """Apply one event to one transfer's record (None if the id is unknown)."""
     if rec is None:
         if isinstance(event, ev.Expected):

@@ -27,7 +27,9 @@ class _Record(Protocol):
 
 
 R = TypeVar("R", bound=_Record)
-Transition = Callable[[Any, Any], tuple[Any, list[Any]]]  # (record | None, event) -> (record, actions)
+Transition = Callable[
+    [Any, Any], tuple[Any, list[Any]]
+]  # (record | None, event) -> (record, actions)
 
 
 class TransferTable(Generic[R]):

@@ -17,8 +17,15 @@ from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterCo
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-__all__ = ["CoordOverride", "Mode", "PrefillCoords", "RouterConfig", "create_app", "main",
-           "parse_args"]
+__all__ = [
+    "CoordOverride",
+    "Mode",
+    "PrefillCoords",
+    "RouterConfig",
+    "create_app",
+    "main",
+    "parse_args",
+]
 
 
 def create_app(config: RouterConfig, tracer: Any = None) -> Starlette:

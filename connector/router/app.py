@@ -50,8 +50,12 @@ class RouterState:
 
     async def start(self) -> None:
         await self.backends.start()
-        logger.info("router up: mode=%s prefill=%s decode=%s", self.config.mode.value,
-                    list(self.config.prefill_urls), list(self.config.decode_urls))
+        logger.info(
+            "router up: mode=%s prefill=%s decode=%s",
+            self.config.mode.value,
+            list(self.config.prefill_urls),
+            list(self.config.decode_urls),
+        )
 
     async def stop(self) -> None:
         tasks = list(self.background)
@@ -63,16 +67,19 @@ class RouterState:
     def stats(self) -> dict[str, Any]:
         return {
             "mode": self.config.mode.value,
-            "requests": {"total": sum(self.responses.values()),
-                         "by_status": {str(k): v for k, v in sorted(self.responses.items())}},
+            "requests": {
+                "total": sum(self.responses.values()),
+                "by_status": {str(k): v for k, v in sorted(self.responses.items())},
+            },
             "background_prefill_legs": len(self.background),
             **self.backends.stats(),
         }
 
 
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
+    )
 
 
 class _Exchange:
@@ -89,7 +96,8 @@ class _Exchange:
             self.status = message["status"]
             self._state.responses[message["status"]] += 1
         elif message["type"] == "http.response.body" and (
-                not message.get("more_body") or message.get("body", b"").endswith(SSE_DONE)):
+            not message.get("more_body") or message.get("body", b"").endswith(SSE_DONE)
+        ):
             # A client may hang up as soon as it has the stream's last event.
             self.complete = True
         await self._send(message)
@@ -116,8 +124,12 @@ class ProxyEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
         request = Request(scope, receive)
-        trace = RequestTrace(state.tracer, request.headers.get("traceparent"),
-                             mode=state.config.mode.value, endpoint=self.endpoint.name.lower())
+        trace = RequestTrace(
+            state.tracer,
+            request.headers.get("traceparent"),
+            mode=state.config.mode.value,
+            endpoint=self.endpoint.name.lower(),
+        )
         exchange = _Exchange(send, state)
         error: str | None = None
         try:
@@ -133,8 +145,14 @@ class ProxyEndpoint:
             except Exception:  # telemetry must never break serving
                 logger.exception("Ending the request's spans failed")
 
-    async def _answer(self, scope: Scope, receive: Receive, request: Request,
-                      trace: RequestTrace, exchange: _Exchange) -> str | None:
+    async def _answer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        request: Request,
+        trace: RequestTrace,
+        exchange: _Exchange,
+    ) -> str | None:
         """Serve one request; returns why it failed before any leg ran, if it did."""
         state, counted = self.state, exchange.send
         try:
@@ -162,8 +180,16 @@ class ProxyEndpoint:
             return "no_backend"
         trace.routed(route_start, p.backend.url, d.backend.url, d.backend.load.outstanding)
         dispatch = Dispatch(
-            state.config, self.endpoint, body, p, d, request_id=request_id, trace=trace,
-            authorization=request.headers.get("authorization"), background=state.background)
+            state.config,
+            self.endpoint,
+            body,
+            p,
+            d,
+            request_id=request_id,
+            trace=trace,
+            authorization=request.headers.get("authorization"),
+            background=state.background,
+        )
         async with anyio.create_task_group() as tg:
             tg.start_soon(exchange.watch_disconnect, receive, tg.cancel_scope)
             try:
@@ -173,8 +199,9 @@ class ProxyEndpoint:
         return None
 
 
-def create_app(config: RouterConfig, tracer: Any = None,
-               on_shutdown: Callable[[], Any] | None = None) -> Starlette:
+def create_app(
+    config: RouterConfig, tracer: Any = None, on_shutdown: Callable[[], Any] | None = None
+) -> Starlette:
     """The router as an ASGI app. Its lifespan opens the backend clients, runs a first
     health round (and the probes) and starts the health loop; shutdown closes them.
     ``tracer``: an OpenTelemetry tracer for the request spans; None, tracing off.
@@ -197,10 +224,14 @@ def create_app(config: RouterConfig, tracer: Any = None,
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         b = state.backends
-        return JSONResponse({
-            "status": "ok", "mode": config.mode.value,
-            "prefill_eligible": sum(x.load.eligible for x in b.prefill),
-            "decode_eligible": sum(x.load.eligible for x in b.decode)})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "mode": config.mode.value,
+                "prefill_eligible": sum(x.load.eligible for x in b.prefill),
+                "decode_eligible": sum(x.load.eligible for x in b.decode),
+            }
+        )
 
     async def models(_request: Request) -> Response:
         d = state.backends.pick(Role.DECODE)
@@ -212,18 +243,23 @@ def create_app(config: RouterConfig, tracer: Any = None,
             err = from_exception(exc, d, "/v1/models")
             body, ctype = err.http_body()
             return Response(body, status_code=err.status, media_type=ctype)
-        return Response(r.content, status_code=r.status_code,
-                        media_type=r.headers.get("content-type", "application/json"))
+        return Response(
+            r.content,
+            status_code=r.status_code,
+            media_type=r.headers.get("content-type", "application/json"),
+        )
 
     async def stats(_request: Request) -> Response:
         return JSONResponse(state.stats())
 
     app = Starlette(
         routes=[
-            Route("/v1/completions", ProxyEndpoint(state, legs.Endpoint.COMPLETIONS),
-                  methods=["POST"]),
-            Route("/v1/chat/completions", ProxyEndpoint(state, legs.Endpoint.CHAT),
-                  methods=["POST"]),
+            Route(
+                "/v1/completions", ProxyEndpoint(state, legs.Endpoint.COMPLETIONS), methods=["POST"]
+            ),
+            Route(
+                "/v1/chat/completions", ProxyEndpoint(state, legs.Endpoint.CHAT), methods=["POST"]
+            ),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/router/stats", stats, methods=["GET"]),
@@ -237,8 +273,11 @@ def create_app(config: RouterConfig, tracer: Any = None,
 def main(argv: list[str]) -> int:
     """``pushkv router ...``: ``argv`` is what follows ``router``. Serves until interrupted."""
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     import uvicorn  # only the serving process needs it
 
     from telemetry.schema import Service
@@ -246,8 +285,12 @@ def main(argv: list[str]) -> int:
 
     provider = setup_tracing(Service.ROUTER.value, role="router")
     tracer = provider.get_tracer("pushkv.router") if provider is not None else None
-    uvicorn.run(create_app(config, tracer,
-                           on_shutdown=provider.shutdown if provider is not None else None),
-                host=config.host, port=config.port, access_log=False,
-                log_level=config.log_level, lifespan="on")
+    uvicorn.run(
+        create_app(config, tracer, on_shutdown=provider.shutdown if provider is not None else None),
+        host=config.host,
+        port=config.port,
+        access_log=False,
+        log_level=config.log_level,
+        lifespan="on",
+    )
     return 0

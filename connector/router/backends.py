@@ -57,9 +57,13 @@ class Backend:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "index": self.index, "url": self.url, "health": self.load.health.value,
-            "eligible": self.load.eligible, "outstanding": self.load.outstanding,
-            "dispatched": self.load.dispatched, "failed": self.load.failed,
+            "index": self.index,
+            "url": self.url,
+            "health": self.load.health.value,
+            "eligible": self.load.eligible,
+            "outstanding": self.load.outstanding,
+            "dispatched": self.load.dispatched,
+            "failed": self.load.failed,
         }
         if self.role is Role.PREFILL:
             out["ready"] = self.load.ready
@@ -89,13 +93,24 @@ class Backends:
         self.config = config
         self._probing = config.mode is Mode.PUSH
         self.prefill: list[Backend] = []
-        for i, (url, override) in enumerate(zip(config.prefill_urls, config.prefill_overrides)):
+        for i, (url, override) in enumerate(
+            zip(config.prefill_urls, config.prefill_overrides, strict=True)
+        ):
             coords = override.apply(None)
             ready = coords is not None or not self._probing
-            self.prefill.append(Backend(Role.PREFILL, i, url, BackendLoad(i, ready=ready),
-                                        override=override, coords=coords))
-        self.decode = [Backend(Role.DECODE, i, url, BackendLoad(i))
-                       for i, url in enumerate(config.decode_urls)]
+            self.prefill.append(
+                Backend(
+                    Role.PREFILL,
+                    i,
+                    url,
+                    BackendLoad(i, ready=ready),
+                    override=override,
+                    coords=coords,
+                )
+            )
+        self.decode = [
+            Backend(Role.DECODE, i, url, BackendLoad(i)) for i, url in enumerate(config.decode_urls)
+        ]
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
@@ -112,9 +127,11 @@ class Backends:
             b.client = httpx.AsyncClient(
                 base_url=b.url,
                 timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
-                limits=httpx.Limits(max_connections=c.max_connections,
-                                    max_keepalive_connections=c.max_connections,
-                                    keepalive_expiry=c.keepalive_expiry_s),
+                limits=httpx.Limits(
+                    max_connections=c.max_connections,
+                    max_keepalive_connections=c.max_connections,
+                    keepalive_expiry=c.keepalive_expiry_s,
+                ),
                 # Never route P/D traffic through an HTTP(S)_PROXY from the environment.
                 trust_env=False,
             )
@@ -165,8 +182,9 @@ class Backends:
             b.coords = b.override.apply(probed)
             b.load.ready = b.coords is not None
             if b.coords is not None:
-                logger.info("router backend %s: transfer coordinates %s", b.name,
-                            b.coords.as_dict())
+                logger.info(
+                    "router backend %s: transfer coordinates %s", b.name, b.coords.as_dict()
+                )
 
     async def _probe(self, b: Backend) -> PrefillCoords | None:
         """Ask P (pushkv's connector) where its KV lives: a one-token completion whose
@@ -176,8 +194,12 @@ class Backends:
             r = await b.http.get("/v1/models", timeout=t)
             r.raise_for_status()
             model = legs.parse_models_response(r.json())
-            r = await b.http.post("/v1/completions", json=legs.probe_body(model), timeout=t,
-                                  headers={"X-Request-Id": f"pushkv-probe-{uuid.uuid4().hex}"})
+            r = await b.http.post(
+                "/v1/completions",
+                json=legs.probe_body(model),
+                timeout=t,
+                headers={"X-Request-Id": f"pushkv-probe-{uuid.uuid4().hex}"},
+            )
             r.raise_for_status()
             return legs.parse_probe_response(r.json())
         except (httpx.HTTPError, ValueError, RemoteProtocolError) as exc:
@@ -203,5 +225,7 @@ class Backends:
         return unavailable_reason([b.load for b in self.prefill], [b.load for b in self.decode])
 
     def stats(self) -> dict[str, Any]:
-        return {"prefill": [b.stats() for b in self.prefill],
-                "decode": [b.stats() for b in self.decode]}
+        return {
+            "prefill": [b.stats() for b in self.prefill],
+            "decode": [b.stats() for b in self.decode],
+        }

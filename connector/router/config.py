@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from msgspec import structs
-from typing import Any
 
 from connector.core.errors import ConfigError
 from connector.kv_params import Coordinates
@@ -26,7 +25,9 @@ class Mode(enum.Enum):
     """Which connector the P and D servers run, hence how the two legs are built and sent."""
 
     PUSH = "push"  # pushkv's PushConnector: legs at the same moment, coordinates probed
-    VLLM_PUSH = "vllm-push"  # vLLM's NixlPushConnector: legs at the same moment, coordinates from flags
+    VLLM_PUSH = (
+        "vllm-push"  # vLLM's NixlPushConnector: legs at the same moment, coordinates from flags
+    )
     PULL = "pull"  # vLLM's NixlConnector: P first, then D with P's returned kv_transfer_params
 
 
@@ -62,8 +63,16 @@ class CoordOverride:
             return None
         out = structs.replace(
             probed,
-            **{k: v for k, v in (("engine_id", self.engine_id), ("host", self.host),
-                                 ("port", self.port), ("tp_size", self.tp_size)) if v is not None},
+            **{
+                k: v
+                for k, v in (
+                    ("engine_id", self.engine_id),
+                    ("host", self.host),
+                    ("port", self.port),
+                    ("tp_size", self.tp_size),
+                )
+                if v is not None
+            },
         )
         # Per-rank lists that a changed field invalidates: ports follow the port, agent
         # names the engine id, and both the TP size.
@@ -115,11 +124,18 @@ class RouterConfig:
         object.__setattr__(self, "decode_urls", tuple(_check_url(u) for u in self.decode_urls))
         overrides = self.prefill_overrides or tuple(CoordOverride() for _ in self.prefill_urls)
         if len(overrides) != len(self.prefill_urls):
-            raise ConfigError(f"{len(overrides)} prefill overrides for "
-                              f"{len(self.prefill_urls)} prefill URLs")
+            raise ConfigError(
+                f"{len(overrides)} prefill overrides for {len(self.prefill_urls)} prefill URLs"
+            )
         object.__setattr__(self, "prefill_overrides", tuple(overrides))
-        for name in ("timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
-                     "probe_timeout_s", "keepalive_expiry_s"):
+        for name in (
+            "timeout_s",
+            "connect_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "probe_timeout_s",
+            "keepalive_expiry_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_connections < 1:
@@ -132,12 +148,16 @@ class RouterConfig:
         if self.mode is Mode.VLLM_PUSH:
             # vLLM's push D reads these by index (a missing key kills its EngineCore), and
             # NixlPushConnector has no probe: they must come from the flags.
-            missing = [url for url, o in zip(self.prefill_urls, self.prefill_overrides)
-                       if not o.complete]
+            missing = [
+                url
+                for url, o in zip(self.prefill_urls, self.prefill_overrides, strict=True)
+                if not o.complete
+            ]
             if missing:
                 raise ConfigError(
                     "--mode vllm-push needs --prefill-engine-id, --prefill-kv-host and "
-                    f"--prefill-kv-port for every prefill server; incomplete for {missing}")
+                    f"--prefill-kv-port for every prefill server; incomplete for {missing}"
+                )
 
 
 def _broadcast(name: str, values: Sequence[object] | None, n: int) -> list[object | None]:
@@ -147,8 +167,9 @@ def _broadcast(name: str, values: Sequence[object] | None, n: int) -> list[objec
     if len(values) == 1:
         return list(values) * n
     if len(values) != n:
-        raise ConfigError(f"--{name}: give one value, or one per --prefill URL ({n}); "
-                          f"got {len(values)}")
+        raise ConfigError(
+            f"--{name}: give one value, or one per --prefill URL ({n}); got {len(values)}"
+        )
     return list(values)
 
 
@@ -156,16 +177,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pushkv router",
         description="OpenAI-compatible front for disaggregated prefill (P) / decode (D) vLLM "
-                    "servers: picks D before prefill, sends both legs, streams D's answer.")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="base URL of each prefill vLLM server (http://host:port)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="base URL of each decode vLLM server")
+        "servers: picks D before prefill, sends both legs, streams D's answer.",
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="base URL of each prefill vLLM server (http://host:port)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="base URL of each decode vLLM server",
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PUSH.value)
-    g = p.add_argument_group("prefill transfer coordinates (override the probe; one value "
-                             "per --prefill URL or one for all)")
+    g = p.add_argument_group(
+        "prefill transfer coordinates (override the probe; one value "
+        "per --prefill URL or one for all)"
+    )
     g.add_argument("--prefill-engine-id", nargs="+", metavar="ID")
     g.add_argument("--prefill-kv-host", nargs="+", metavar="HOST")
     g.add_argument("--prefill-kv-port", nargs="+", type=int, metavar="PORT")
@@ -176,8 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=1.0)
     p.add_argument("--probe-timeout", type=float, default=30.0)
     p.add_argument("--max-connections", type=int, default=80, help="per backend")
-    p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 
@@ -199,12 +232,20 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
                 tp = 1  # vLLM's own proxy defaults --prefill-tp-size to 1 as well
             overrides.append(CoordOverride(ids[i], hosts[i], ports[i], tp))  # type: ignore[arg-type]
         return RouterConfig(
-            prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), mode=mode,
-            host=a.host, port=a.port, prefill_overrides=tuple(overrides),
-            timeout_s=a.timeout, connect_timeout_s=a.connect_timeout,
-            health_interval_s=a.health_interval, health_timeout_s=a.health_timeout,
-            probe_timeout_s=a.probe_timeout, max_connections=a.max_connections,
-            log_level=a.log_level)
+            prefill_urls=tuple(a.prefill),
+            decode_urls=tuple(a.decode),
+            mode=mode,
+            host=a.host,
+            port=a.port,
+            prefill_overrides=tuple(overrides),
+            timeout_s=a.timeout,
+            connect_timeout_s=a.connect_timeout,
+            health_interval_s=a.health_interval,
+            health_timeout_s=a.health_timeout,
+            probe_timeout_s=a.probe_timeout,
+            max_connections=a.max_connections,
+            log_level=a.log_level,
+        )
     except ConfigError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

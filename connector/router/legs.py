@@ -64,8 +64,9 @@ def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
         # A list of strings or of token lists is a batch: vLLM makes one engine request
         # per prompt, and one transfer_id cannot pair several (list[int] is one prompt).
         if len(value) > 1 and not all(isinstance(t, int) for t in value):
-            raise InvalidRequest("batched prompts are not supported by the router; "
-                                 "send one prompt per request")
+            raise InvalidRequest(
+                "batched prompts are not supported by the router; send one prompt per request"
+            )
     elif not isinstance(value, str):
         raise InvalidRequest("'prompt' must be a string or a list")
     if "kv_transfer_params" in body:
@@ -117,8 +118,9 @@ def leg_headers(request_id: str, traceparent: str, authorization: str | None) ->
     return headers
 
 
-def prefill_body(mode: Mode, endpoint: Endpoint, body: JsonObj, *, transfer_id: str,
-                 traceparent: str) -> JsonObj:
+def prefill_body(
+    mode: Mode, endpoint: Endpoint, body: JsonObj, *, transfer_id: str, traceparent: str
+) -> JsonObj:
     """P's leg: prefill only (one token), never streamed."""
     out = copy.deepcopy(body)
     out["max_tokens"] = 1
@@ -135,9 +137,16 @@ def prefill_body(mode: Mode, endpoint: Endpoint, body: JsonObj, *, transfer_id: 
     return out
 
 
-def decode_body(mode: Mode, body: JsonObj, *, transfer_id: str, traceparent: str,
-                request_id: str, coords: PrefillCoords | None = None,
-                prefill_params: JsonObj | None = None) -> JsonObj:
+def decode_body(
+    mode: Mode,
+    body: JsonObj,
+    *,
+    transfer_id: str,
+    traceparent: str,
+    request_id: str,
+    coords: PrefillCoords | None = None,
+    prefill_params: JsonObj | None = None,
+) -> JsonObj:
     """D's leg: the client's body plus what D needs to receive the KV. ``coords`` for the
     push modes; ``prefill_params`` (P's returned ``kv_transfer_params``) for pull."""
     out = copy.deepcopy(body)
@@ -150,9 +159,13 @@ def decode_body(mode: Mode, body: JsonObj, *, transfer_id: str, traceparent: str
         raise ValueError(f"{mode.value} mode needs P's transfer coordinates")
     if mode is Mode.PUSH:
         out["kv_transfer_params"] = {
-            "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-            "remote_engine_id": coords.engine_id, "remote_host": coords.host,
-            "remote_port": coords.port, "remote_tp_size": coords.tp_size,
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_engine_id": coords.engine_id,
+            "remote_host": coords.host,
+            "remote_port": coords.port,
+            "remote_tp_size": coords.tp_size,
             "traceparent": traceparent,
         }
         if coords.ports:
@@ -161,10 +174,15 @@ def decode_body(mode: Mode, body: JsonObj, *, transfer_id: str, traceparent: str
             out["kv_transfer_params"]["remote_agents"] = list(coords.agents)
     else:  # vLLM's NixlPushConnector reads these keys by index (reference §2.1).
         out["kv_transfer_params"] = {
-            "do_remote_decode": False, "do_remote_prefill": True,
-            "remote_engine_id": coords.engine_id, "remote_host": coords.host,
-            "remote_port": coords.port, "tp_size": coords.tp_size, "pp_size": 1,
-            "remote_request_id": request_id, "transfer_id": transfer_id,
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": coords.engine_id,
+            "remote_host": coords.host,
+            "remote_port": coords.port,
+            "tp_size": coords.tp_size,
+            "pp_size": 1,
+            "remote_request_id": request_id,
+            "transfer_id": transfer_id,
         }
     return out
 
@@ -178,8 +196,12 @@ def apply_pull_overrides(params: JsonObj, override: CoordOverride) -> JsonObj:
     """Pull mode: the ``--prefill-*`` flags replace what P reported (P may advertise an
     address D cannot reach; vLLM's own proxy rewrites ``remote_host`` for the same reason)."""
     out = dict(params)
-    for key, value in (("remote_engine_id", override.engine_id), ("remote_host", override.host),
-                       ("remote_port", override.port), ("tp_size", override.tp_size)):
+    for key, value in (
+        ("remote_engine_id", override.engine_id),
+        ("remote_host", override.host),
+        ("remote_port", override.port),
+        ("tp_size", override.tp_size),
+    ):
         if value is not None:
             out[key] = value
     return out
@@ -189,8 +211,13 @@ PROBE_PROMPT = "probe"
 
 
 def probe_body(model: str) -> JsonObj:
-    return {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"pushkv_probe": True}}
+    return {
+        "model": model,
+        "prompt": PROBE_PROMPT,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"pushkv_probe": True},
+    }
 
 
 def parse_models_response(obj: Any) -> str:
@@ -213,16 +240,23 @@ def parse_probe_response(obj: Any) -> PrefillCoords:
         ports, agents = c.get("ports") or [], c.get("agents") or []
     except (KeyError, TypeError, AttributeError):
         raise RemoteProtocolError(
-            f"probe answer lacks kv_transfer_params.pushkv: {obj!r:.300}") from None
+            f"probe answer lacks kv_transfer_params.pushkv: {obj!r:.300}"
+        ) from None
     if not (isinstance(engine_id, str) and isinstance(host, str) and engine_id and host):
         raise RemoteProtocolError(f"probe answer: bad engine_id/host: {c!r:.300}")
     if not _is_port(port) or not _is_int(tp_size) or tp_size < 1:
         raise RemoteProtocolError(f"probe answer: bad port/tp_size: {c!r:.300}")
-    if not isinstance(ports, list) or not all(_is_port(x) for x in ports) or (
-            ports and len(ports) != tp_size):
+    if (
+        not isinstance(ports, list)
+        or not all(_is_port(x) for x in ports)
+        or (ports and len(ports) != tp_size)
+    ):
         raise RemoteProtocolError(f"probe answer: bad ports for tp_size {tp_size}: {c!r:.300}")
-    if not isinstance(agents, list) or not all(isinstance(x, str) and x for x in agents) or (
-            agents and len(agents) != tp_size):
+    if (
+        not isinstance(agents, list)
+        or not all(isinstance(x, str) and x for x in agents)
+        or (agents and len(agents) != tp_size)
+    ):
         raise RemoteProtocolError(f"probe answer: bad agents for tp_size {tp_size}: {c!r:.300}")
     return PrefillCoords(engine_id, host, port, tp_size, tuple(ports), tuple(agents))
 

@@ -14,7 +14,6 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-
 DOWN_AFTER = 3
 
 
@@ -97,6 +96,7 @@ def unavailable_reason(prefill: Sequence[BackendLoad], decode: Sequence[BackendL
         if not any(b.eligible or b.fallback for b in loads):
             states = ", ".join(
                 f"{role}[{b.index}]={b.health.value}{'' if b.ready else ' (not probed)'}"
-                for b in loads)
+                for b in loads
+            )
             reasons.append(f"no healthy {role} server ({states})")
     return "; ".join(reasons) or None

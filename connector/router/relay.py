@@ -42,17 +42,30 @@ class UpstreamError(PushkvError):
     """A leg failed. ``body`` is the backend's own error body when it answered an error
     status (passed through as is); otherwise the router writes an OpenAI-style error."""
 
-    def __init__(self, status: int, message: str, *, backend: str | None = None,
-                 body: bytes | None = None, content_type: str | None = None,
-                 suspect: bool = True) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        backend: str | None = None,
+        body: bytes | None = None,
+        content_type: str | None = None,
+        suspect: bool = True,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.backend = status, message, backend
         self.body, self.content_type, self.suspect = body, content_type, suspect
 
     def error_json(self) -> dict[str, Any]:
         kind = {502: "upstream_error", 503: "service_unavailable", 504: "upstream_timeout"}
-        return {"error": {"message": self.message, "type": kind.get(self.status, "upstream_error"),
-                          "code": self.status, "backend": self.backend}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind.get(self.status, "upstream_error"),
+                "code": self.status,
+                "backend": self.backend,
+            }
+        }
 
     def http_body(self) -> tuple[bytes, str]:
         if self.body is not None:
@@ -67,22 +80,33 @@ class UpstreamError(PushkvError):
 def from_exception(exc: BaseException, backend: Backend, what: str) -> UpstreamError:
     """Map a transport failure to the answer the client gets: timeout 504, else 502."""
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return UpstreamError(502, f"cannot connect to {backend.name} ({what}): {exc}",
-                             backend=backend.name)
+        return UpstreamError(
+            502, f"cannot connect to {backend.name} ({what}): {exc}", backend=backend.name
+        )
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return UpstreamError(504, f"{backend.name} timed out ({what})", backend=backend.name)
     return UpstreamError(502, f"{backend.name} failed ({what}): {exc!r}", backend=backend.name)
 
 
 def _from_status(resp: httpx.Response, body: bytes, backend: Backend, what: str) -> UpstreamError:
-    return UpstreamError(resp.status_code, f"{backend.name} answered {resp.status_code} ({what})",
-                         backend=backend.name, body=body,
-                         content_type=resp.headers.get("content-type"),
-                         suspect=resp.status_code >= 500)
+    return UpstreamError(
+        resp.status_code,
+        f"{backend.name} answered {resp.status_code} ({what})",
+        backend=backend.name,
+        body=body,
+        content_type=resp.headers.get("content-type"),
+        suspect=resp.status_code >= 500,
+    )
 
 
-async def post_json(backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
-                    deadline_s: float, what: str) -> dict[str, Any]:
+async def post_json(
+    backend: Backend,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    deadline_s: float,
+    what: str,
+) -> dict[str, Any]:
     """One non-streamed leg with a whole-leg deadline; returns the JSON answer."""
     try:
         try:
@@ -95,11 +119,13 @@ async def post_json(backend: Backend, path: str, body: dict[str, Any], headers: 
         try:
             answer = resp.json()
         except ValueError:
-            raise UpstreamError(502, f"{backend.name} sent invalid JSON ({what})",
-                                backend=backend.name) from None
+            raise UpstreamError(
+                502, f"{backend.name} sent invalid JSON ({what})", backend=backend.name
+            ) from None
         if not isinstance(answer, dict):
-            raise UpstreamError(502, f"{backend.name} sent a non-object ({what})",
-                                backend=backend.name)
+            raise UpstreamError(
+                502, f"{backend.name} sent a non-object ({what})", backend=backend.name
+            )
         return answer
     except UpstreamError as err:
         backend.load.record_leg_failure(suspect=err.suspect)
@@ -107,14 +133,16 @@ async def post_json(backend: Backend, path: str, body: dict[str, Any], headers: 
         raise
 
 
-async def open_stream(backend: Backend, path: str, body: dict[str, Any],
-                      headers: dict[str, str], what: str) -> httpx.Response:
+async def open_stream(
+    backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str], what: str
+) -> httpx.Response:
     """Send a leg and return once its status and headers are in (body not read yet). An
     error status is read whole and raised as ``UpstreamError`` (passed through)."""
     client = backend.http
     try:
-        resp = await client.send(client.build_request("POST", path, json=body, headers=headers),
-                                 stream=True)
+        resp = await client.send(
+            client.build_request("POST", path, json=body, headers=headers), stream=True
+        )
     except httpx.HTTPError as exc:
         err = from_exception(exc, backend, what)
     else:
@@ -165,8 +193,11 @@ class PrefillWatch:
         exc = task.exception()  # also marks it retrieved
         if exc is None:
             return
-        self.failure = exc if isinstance(exc, UpstreamError) else UpstreamError(
-            502, f"prefill leg failed: {exc!r}")
+        self.failure = (
+            exc
+            if isinstance(exc, UpstreamError)
+            else UpstreamError(502, f"prefill leg failed: {exc!r}")
+        )
         if self._scope is not None:
             self._scope.cancel()
 
@@ -189,16 +220,27 @@ class PrefillWatch:
 class Dispatch:
     """One client request routed to one P and one D."""
 
-    def __init__(self, config: RouterConfig, endpoint: legs.Endpoint, body: dict[str, Any],
-                 p: Lease, d: Lease, *, request_id: str, trace: RequestTrace,
-                 authorization: str | None, background: set[asyncio.Task[Any]]) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        endpoint: legs.Endpoint,
+        body: dict[str, Any],
+        p: Lease,
+        d: Lease,
+        *,
+        request_id: str,
+        trace: RequestTrace,
+        authorization: str | None,
+        background: set[asyncio.Task[Any]],
+    ) -> None:
         self.config, self.endpoint, self.body = config, endpoint, body
         self.p, self.d = p, d
         self.request_id, self.trace, self._authorization = request_id, trace, authorization
         self.stream = bool(body.get("stream", False))
         mode = config.mode
-        self.transfer_id = (legs.vllm_transfer_id() if mode is Mode.VLLM_PUSH
-                            else legs.new_transfer_id())
+        self.transfer_id = (
+            legs.vllm_transfer_id() if mode is Mode.VLLM_PUSH else legs.new_transfer_id()
+        )
         self._background = background
         self._p_task: asyncio.Task[dict[str, Any]] | None = None
         self._d_resp: httpx.Response | None = None
@@ -222,29 +264,50 @@ class Dispatch:
     async def _prefill_leg(self) -> dict[str, Any]:
         p = self.p.backend
         traceparent = self.trace.prefill_started(p.url)
-        body = legs.prefill_body(self.config.mode, self.endpoint, self.body,
-                                 transfer_id=self.transfer_id, traceparent=traceparent)
+        body = legs.prefill_body(
+            self.config.mode,
+            self.endpoint,
+            self.body,
+            transfer_id=self.transfer_id,
+            traceparent=traceparent,
+        )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
-        answer = await post_json(p, self.endpoint.path, body, headers,
-                                 self.config.timeout_s, f"prefill transfer_id={self.transfer_id}")
+        answer = await post_json(
+            p,
+            self.endpoint.path,
+            body,
+            headers,
+            self.config.timeout_s,
+            f"prefill transfer_id={self.transfer_id}",
+        )
         params = answer.get("kv_transfer_params")
         if self.config.mode is Mode.PUSH and isinstance(params, dict) and "pushkv_error" in params:
             # pushkv's P computed the prompt but refused the transfer: D would wait for KV
             # that never comes. Fail the request now.
             p.load.record_leg_failure(suspect=False)
-            raise UpstreamError(502, f"{p.name} refused transfer {self.transfer_id}: "
-                                     f"{params['pushkv_error']}", backend=p.name)
+            raise UpstreamError(
+                502,
+                f"{p.name} refused transfer {self.transfer_id}: {params['pushkv_error']}",
+                backend=p.name,
+            )
         return answer
 
     def _decode(self, prefill_params: dict[str, Any] | None = None) -> Awaitable[httpx.Response]:
         d = self.d.backend
         traceparent = self.trace.decode_started(d.url)
-        body = legs.decode_body(self.config.mode, self.body, transfer_id=self.transfer_id,
-                                traceparent=traceparent, request_id=self.request_id,
-                                coords=self.p.backend.coords, prefill_params=prefill_params)
+        body = legs.decode_body(
+            self.config.mode,
+            self.body,
+            transfer_id=self.transfer_id,
+            traceparent=traceparent,
+            request_id=self.request_id,
+            coords=self.p.backend.coords,
+            prefill_params=prefill_params,
+        )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
-        return open_stream(d, self.endpoint.path, body, headers,
-                           f"decode transfer_id={self.transfer_id}")
+        return open_stream(
+            d, self.endpoint.path, body, headers, f"decode transfer_id={self.transfer_id}"
+        )
 
     # -- serving -----------------------------------------------------------------------
 
@@ -257,8 +320,13 @@ class Dispatch:
             await self._cleanup()
 
     async def _serve(self, send: Send) -> None:
-        logger.debug("router dispatch request_id=%s transfer_id=%s P=%s D=%s", self.request_id,
-                     self.transfer_id, self.p.backend.name, self.d.backend.name)
+        logger.debug(
+            "router dispatch request_id=%s transfer_id=%s P=%s D=%s",
+            self.request_id,
+            self.transfer_id,
+            self.p.backend.name,
+            self.d.backend.name,
+        )
         if self.config.mode is Mode.PULL:
             try:
                 answer = await self._prefill()
@@ -268,8 +336,11 @@ class Dispatch:
                 self.p.release()
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict):
-                err = UpstreamError(502, f"{self.p.backend.name} returned no kv_transfer_params",
-                                    backend=self.p.backend.name)
+                err = UpstreamError(
+                    502,
+                    f"{self.p.backend.name} returned no kv_transfer_params",
+                    backend=self.p.backend.name,
+                )
                 self.p.backend.load.record_leg_failure(suspect=True)
                 return await _send_error(send, err, self.request_id)
             params = legs.apply_pull_overrides(params, self.p.backend.override)
@@ -302,8 +373,9 @@ class Dispatch:
             await self._relay_whole(send, opened, watch)
 
     def _response_start(self, resp: httpx.Response) -> dict[str, Any]:
-        return _start(resp.status_code, resp.headers.get("content-type", "application/json"),
-                      self.request_id)
+        return _start(
+            resp.status_code, resp.headers.get("content-type", "application/json"), self.request_id
+        )
 
     async def _relay_whole(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
         try:
@@ -337,7 +409,7 @@ class Dispatch:
                 break
             if chunk:
                 self.trace.decode_bytes()
-                tail = (tail + chunk)[-len(SSE_DONE):]
+                tail = (tail + chunk)[-len(SSE_DONE) :]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 self.trace.sent(chunk, stream=True)
                 if tail == SSE_DONE:
@@ -345,8 +417,9 @@ class Dispatch:
         self._d_done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _decode_failed(self, send: Send, exc: httpx.HTTPError, *, started: bool,
-                             tail: bytes = b"\n\n") -> None:
+    async def _decode_failed(
+        self, send: Send, exc: httpx.HTTPError, *, started: bool, tail: bytes = b"\n\n"
+    ) -> None:
         """D broke mid-answer (timeout between bytes, dropped connection)."""
         d = self.d.backend
         err = from_exception(exc, d, f"decode transfer_id={self.transfer_id}")
@@ -379,8 +452,9 @@ class Dispatch:
             self.p.release()
         await _close(self._d_resp)
         self.d.release()
-        self.trace.decode_ended(None if self._d_done
-                                else (self._d_error or Outcome.CANCELLED.value))
+        self.trace.decode_ended(
+            None if self._d_done else (self._d_error or Outcome.CANCELLED.value)
+        )
 
 
 def _event_break(tail: bytes) -> bytes:
@@ -393,9 +467,14 @@ async def _send_body(send: Send, body: bytes) -> None:
 
 
 def _start(status: int, content_type: str, request_id: str) -> dict[str, Any]:
-    return {"type": "http.response.start", "status": status,
-            "headers": [(b"content-type", content_type.encode()),
-                        (b"x-request-id", request_id.encode())]}
+    return {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [
+            (b"content-type", content_type.encode()),
+            (b"x-request-id", request_id.encode()),
+        ],
+    }
 
 
 async def _send_error(send: Send, err: UpstreamError, request_id: str) -> None:

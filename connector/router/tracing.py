@@ -46,9 +46,12 @@ class RequestTrace:
         self._start_ns = time.time_ns()
         if tracer is not None:
             self._root = tracer.start_span(
-                Span.REQUEST.value, context=parent_context(incoming), kind=SpanKind.SERVER,
+                Span.REQUEST.value,
+                context=parent_context(incoming),
+                kind=SpanKind.SERVER,
                 start_time=self._start_ns,
-                attributes={Attr.MODE.value: mode, Attr.ENDPOINT.value: endpoint})
+                attributes={Attr.MODE.value: mode, Attr.ENDPOINT.value: endpoint},
+            )
 
     @property
     def on(self) -> bool:
@@ -60,30 +63,53 @@ class RequestTrace:
     def request_parsed(self, body: dict[str, Any], request_id: str) -> None:
         if self._root is not None:
             model = body.get("model")
-            self._root.set_attributes({
-                Attr.REQUEST_ID.value: request_id, Attr.STREAM.value: bool(body.get("stream")),
-                **({Attr.REQUEST_MODEL.value: model} if isinstance(model, str) else {})})
+            self._root.set_attributes(
+                {
+                    Attr.REQUEST_ID.value: request_id,
+                    Attr.STREAM.value: bool(body.get("stream")),
+                    **({Attr.REQUEST_MODEL.value: model} if isinstance(model, str) else {}),
+                }
+            )
 
-    def routed(self, start_ns: int, prefill_url: str | None, decode_url: str | None,
-               outstanding: int | None, error: str | None = None) -> None:
+    def routed(
+        self,
+        start_ns: int,
+        prefill_url: str | None,
+        decode_url: str | None,
+        outstanding: int | None,
+        error: str | None = None,
+    ) -> None:
         if self._root is None:
             return
-        emit(self._tracer, Span.ROUTE, parent=self._ctx(), start_ns=start_ns,
-             end_ns=time.time_ns(), error=error,
-             attributes={Attr.PREFILL_URL: prefill_url, Attr.DECODE_URL: decode_url,
-                         Attr.PENDING: outstanding,
-                         Attr.ROUTE_REASON: None if error else "least outstanding among healthy"})
+        emit(
+            self._tracer,
+            Span.ROUTE,
+            parent=self._ctx(),
+            start_ns=start_ns,
+            end_ns=time.time_ns(),
+            error=error,
+            attributes={
+                Attr.PREFILL_URL: prefill_url,
+                Attr.DECODE_URL: decode_url,
+                Attr.PENDING: outstanding,
+                Attr.ROUTE_REASON: None if error else "least outstanding among healthy",
+            },
+        )
         if decode_url:
-            self._root.set_attributes({Attr.DECODE_URL.value: decode_url,
-                                       Attr.PREFILL_URL.value: prefill_url or ""})
+            self._root.set_attributes(
+                {Attr.DECODE_URL.value: decode_url, Attr.PREFILL_URL.value: prefill_url or ""}
+            )
 
     # -- legs: each returns the traceparent its request carries --------------------------
     def prefill_started(self, url: str) -> str:
         if self._root is None:
             return self._fallback
         self._prefill = self._tracer.start_span(
-            Span.PREFILL_LEG.value, context=self._ctx(), kind=SpanKind.CLIENT,
-            attributes={Attr.PREFILL_URL.value: url})
+            Span.PREFILL_LEG.value,
+            context=self._ctx(),
+            kind=SpanKind.CLIENT,
+            attributes={Attr.PREFILL_URL.value: url},
+        )
         return traceparent_of(self._prefill) or self._fallback
 
     def prefill_ended(self, error: str | None = None) -> None:
@@ -97,8 +123,12 @@ class RequestTrace:
             return self._fallback
         self._decode_start_ns = time.time_ns()
         self._decode = self._tracer.start_span(
-            Span.DECODE_LEG.value, context=self._ctx(), kind=SpanKind.CLIENT,
-            start_time=self._decode_start_ns, attributes={Attr.DECODE_URL.value: url})
+            Span.DECODE_LEG.value,
+            context=self._ctx(),
+            kind=SpanKind.CLIENT,
+            start_time=self._decode_start_ns,
+            attributes={Attr.DECODE_URL.value: url},
+        )
         return traceparent_of(self._decode) or self._fallback
 
     def decode_ended(self, error: str | None = None) -> None:
@@ -108,8 +138,13 @@ class RequestTrace:
     def decode_bytes(self) -> None:
         """D's first body bytes arrived (called for every chunk; acts on the first)."""
         if self._decode is not None and self._decode_start_ns:
-            emit(self._tracer, Span.FIRST_BYTE, parent=context_of(self._decode),
-                 start_ns=self._decode_start_ns, end_ns=time.time_ns())
+            emit(
+                self._tracer,
+                Span.FIRST_BYTE,
+                parent=context_of(self._decode),
+                start_ns=self._decode_start_ns,
+                end_ns=time.time_ns(),
+            )
             self._decode_start_ns = 0
 
     # -- what the client got -------------------------------------------------------------
@@ -128,8 +163,7 @@ class RequestTrace:
         if stream:
             # Count the patterns that end in this chunk (a window reaching len - 1 bytes
             # back), so one split across two chunks counts once.
-            events = (_ends_in(seen, chunk, b"data: {")
-                      - _ends_in(seen, chunk, b'"choices":[]'))
+            events = _ends_in(seen, chunk, b"data: {") - _ends_in(seen, chunk, b'"choices":[]')
             if events <= 0:
                 return  # [DONE], a usage-only event, or a piece of an event
             self.token_events += events
@@ -154,7 +188,9 @@ class RequestTrace:
             attrs[Attr.TTFT_MS.value] = (self.first_chunk_ns - self._start_ns) / 1e6
         tokens = self.completion_tokens or self.token_events
         if tokens > 1 and self.last_chunk_ns > self.first_chunk_ns:
-            attrs[Attr.TPOT_MS.value] = (self.last_chunk_ns - self.first_chunk_ns) / 1e6 / (tokens - 1)
+            attrs[Attr.TPOT_MS.value] = (
+                (self.last_chunk_ns - self.first_chunk_ns) / 1e6 / (tokens - 1)
+            )
         if self.prompt_tokens is not None:
             attrs[Attr.INPUT_TOKENS.value] = self.prompt_tokens
         if tokens:
@@ -187,4 +223,4 @@ def _end(span: Any, error: str | None) -> None:
 
 
 def _ends_in(seen: bytes, chunk: bytes, pattern: bytes) -> int:
-    return seen[-(len(chunk) + len(pattern) - 1):].count(pattern)
+    return seen[-(len(chunk) + len(pattern) - 1) :].count(pattern)

@@ -147,16 +147,18 @@ def validate_write_descs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, 
     dst_a = np.ascontiguousarray(dst, dtype=np.uint64)
     for label, arr in (("src", src_a), ("dst", dst_a)):
         if arr.ndim != 2 or arr.shape[1] != 3:
-            raise LocalProtocolError(f"{label} must be an Nx3 (addr, len, devid) array, "
-                                     f"got shape {arr.shape}")
+            raise LocalProtocolError(
+                f"{label} must be an Nx3 (addr, len, devid) array, got shape {arr.shape}"
+            )
     if src_a.shape[0] != dst_a.shape[0]:
         raise LocalProtocolError(f"src has {src_a.shape[0]} rows, dst {dst_a.shape[0]}")
     if src_a.shape[0] == 0:
         raise LocalProtocolError("a WRITE needs at least one descriptor")
     if not np.array_equal(src_a[:, 1], dst_a[:, 1]):
         bad = int(np.flatnonzero(src_a[:, 1] != dst_a[:, 1])[0])
-        raise LocalProtocolError(f"row {bad}: src len {int(src_a[bad, 1])} != "
-                                 f"dst len {int(dst_a[bad, 1])}")
+        raise LocalProtocolError(
+            f"row {bad}: src len {int(src_a[bad, 1])} != dst len {int(dst_a[bad, 1])}"
+        )
     if np.any(src_a[:, 1] == 0):
         raise LocalProtocolError("zero-length descriptor")
     return src_a, dst_a, int(src_a[:, 1].sum())
@@ -216,8 +218,9 @@ class DialBook:
         self._ready = ready
         self._dials: dict[str, PeerDial] = {}
 
-    def request(self, peer: str, host: str, port: int, retry_interval_s: float,
-                now_s: float) -> None:
+    def request(
+        self, peer: str, host: str, port: int, retry_interval_s: float, now_s: float
+    ) -> None:
         self._dials[peer] = PeerDial(host, port, retry_interval_s, now_s)
         self._fire(peer, host, port)
 
@@ -242,11 +245,17 @@ class DialBook:
     def peers(self) -> list[str]:
         return list(self._dials)
 
-    def connect(self, peer: str, host: str, port: int, timeout_s: float,
-                retry_interval_s: float,
-                clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep,
-                poll: Callable[[str, float], bool] | None = None) -> None:
+    def connect(
+        self,
+        peer: str,
+        host: str,
+        port: int,
+        timeout_s: float,
+        retry_interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        poll: Callable[[str, float], bool] | None = None,
+    ) -> None:
         """Blocking dial with bounded retries; PeerUnreachable after timeout_s. ``poll``
         (default: this book's) lets a transport drive its progress while it waits."""
         poll = poll or self.poll
@@ -262,6 +271,7 @@ class DialBook:
                 attempts = dial.attempts if dial else 0
                 raise PeerUnreachable(
                     f"connect {peer!r} at {host}:{port}: no metadata after "
-                    f"{timeout_s:.3g}s ({attempts} requests)")
+                    f"{timeout_s:.3g}s ({attempts} requests)"
+                )
             # Short naps: the peer's listener answers within ~100 ms once it is up.
             sleep(min(0.005, max(0.0, deadline - now)))

@@ -53,10 +53,12 @@ class _Rule:
     error: type[TransportError] = TransportError
 
     def matches(self, src: str, dst: str, msg: bytes = b"") -> bool:
-        return ((self.remaining is None or self.remaining > 0)
-                and (self.src is None or self.src == src)
-                and (self.dst is None or self.dst == dst)
-                and (self.prefix is None or msg.startswith(self.prefix)))
+        return (
+            (self.remaining is None or self.remaining > 0)
+            and (self.src is None or self.src == src)
+            and (self.dst is None or self.dst == dst)
+            and (self.prefix is None or msg.startswith(self.prefix))
+        )
 
     def consume(self) -> None:
         if self.remaining is not None:
@@ -96,8 +98,12 @@ class _FakeXfer:
 class FakeFabric:
     """The shared "network" of fake transports, with knobs to inject faults."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.clock = clock
         self.sleep = sleep
         self._by_addr: dict[tuple[str, int], FakeTransport] = {}
@@ -114,8 +120,9 @@ class FakeFabric:
 
     # -- agents ---------------------------------------------------------------------
 
-    def transport(self, name: str, *, host: str = "127.0.0.1",
-                  port: int | None = None) -> FakeTransport:
+    def transport(
+        self, name: str, *, host: str = "127.0.0.1", port: int | None = None
+    ) -> FakeTransport:
         if port is None:
             port = self._next_port
             self._next_port += 1
@@ -137,26 +144,50 @@ class FakeFabric:
 
     # -- fault knobs ----------------------------------------------------------------
 
-    def delay_writes(self, polls: int, *, src: str | None = None, dst: str | None = None,
-                     count: int | None = None) -> None:
+    def delay_writes(
+        self,
+        polls: int,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        count: int | None = None,
+    ) -> None:
         """Matching WRITEs stay in flight for ``polls`` poll_write calls (0 = DONE at post)."""
         self._delay_rules.insert(0, _Rule(count, src, dst, polls=polls))
 
-    def fail_writes(self, at: Literal["post", "poll"] = "post", *, src: str | None = None,
-                    dst: str | None = None, count: int | None = 1,
-                    error: type[TransportError] = TransportError) -> None:
+    def fail_writes(
+        self,
+        at: Literal["post", "poll"] = "post",
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        count: int | None = 1,
+        error: type[TransportError] = TransportError,
+    ) -> None:
         """Matching WRITEs raise ``error`` at post, or at the poll where they would
         complete (no bytes land, no notification)."""
         if at not in ("post", "poll"):
             raise LocalProtocolError(f"fail_writes(at={at!r})")
         self._fail_rules.insert(0, _Rule(count, src, dst, at=at, error=error))
 
-    def drop_notifs(self, count: int | None = 1, *, src: str | None = None,
-                    dst: str | None = None, prefix: bytes | None = None) -> None:
+    def drop_notifs(
+        self,
+        count: int | None = 1,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        prefix: bytes | None = None,
+    ) -> None:
         self._drop_rules.insert(0, _Rule(count, src, dst, prefix))
 
-    def duplicate_notifs(self, count: int | None = 1, *, src: str | None = None,
-                         dst: str | None = None, prefix: bytes | None = None) -> None:
+    def duplicate_notifs(
+        self,
+        count: int | None = 1,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        prefix: bytes | None = None,
+    ) -> None:
         self._dup_rules.insert(0, _Rule(count, src, dst, prefix))
 
     def reorder_notifs(self, dst: str, *, seed: int | None = None, enabled: bool = True) -> None:
@@ -239,8 +270,9 @@ class FakeTransport:
 
     # -- memory ---------------------------------------------------------------------
 
-    def register_memory(self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM",
-                        device_id: int = 0) -> None:
+    def register_memory(
+        self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM", device_id: int = 0
+    ) -> None:
         self._check_alive()
         if check_mem_kind(mem_type) != "DRAM":
             raise TransportError(f"register: the fake transport copies DRAM only, not {mem_type}")
@@ -257,8 +289,9 @@ class FakeTransport:
 
     def _covered(self, rows: np.ndarray, mem_type: str) -> bool:
         for addr, nbytes, _ in rows.tolist():
-            if not any(s <= addr and addr + nbytes <= e and m == mem_type
-                       for s, e, m in self._regions):
+            if not any(
+                s <= addr and addr + nbytes <= e and m == mem_type for s, e, m in self._regions
+            ):
                 return False
         return True
 
@@ -271,8 +304,9 @@ class FakeTransport:
             self._known[peer] = target
             target._known[self._name] = self
 
-    def request_peer(self, peer: str, host: str, port: int, *,
-                     retry_interval_s: float = 0.05) -> None:
+    def request_peer(
+        self, peer: str, host: str, port: int, *, retry_interval_s: float = 0.05
+    ) -> None:
         self._dials.request(peer, host, port, retry_interval_s, self._fabric.clock())
 
     def peer_ready(self, peer: str) -> bool:
@@ -282,10 +316,18 @@ class FakeTransport:
     def poll_peer(self, peer: str, now_s: float) -> bool:
         return self._dials.poll(peer, now_s)
 
-    def connect(self, peer: str, host: str, port: int, timeout_s: float,
-                retry_interval_s: float = 0.05) -> None:
-        self._dials.connect(peer, host, port, timeout_s, retry_interval_s,
-                            clock=self._fabric.clock, sleep=self._fabric.sleep)
+    def connect(
+        self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05
+    ) -> None:
+        self._dials.connect(
+            peer,
+            host,
+            port,
+            timeout_s,
+            retry_interval_s,
+            clock=self._fabric.clock,
+            sleep=self._fabric.sleep,
+        )
 
     def _target(self, op: str, peer: str) -> FakeTransport:
         target = self._known.get(peer)
@@ -304,24 +346,39 @@ class FakeTransport:
 
     # -- writes ---------------------------------------------------------------------
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes, *,
-              src_mem: str = "DRAM", dst_mem: str = "DRAM") -> WriteHandle:
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        notif: bytes,
+        *,
+        src_mem: str = "DRAM",
+        dst_mem: str = "DRAM",
+    ) -> WriteHandle:
         self._check_alive()
         src_a, dst_a, nbytes = validate_write_descs(src, dst)
         target = self._target("post write", peer)
         if not self._covered(src_a, check_mem_kind(src_mem)) or not target._covered(
-                dst_a, check_mem_kind(dst_mem)):
-            raise TransportError(f"prepare write (peer {peer!r}): descriptors outside "
-                                 f"registered memory")
+            dst_a, check_mem_kind(dst_mem)
+        ):
+            raise TransportError(
+                f"prepare write (peer {peer!r}): descriptors outside registered memory"
+            )
         fab = self._fabric
         fab.posted.append(PostedWrite(self._name, peer, nbytes, int(src_a.shape[0]), notif))
         fail = _take(fab._fail_rules, self._name, peer)
         if fail is not None and fail.at == "post":
             raise fail.error(f"post write (peer {peer!r}): injected failure")
         delay = _take(fab._delay_rules, self._name, peer)
-        xfer = _FakeXfer(target, src_a.copy(), dst_a.copy(), bytes(notif),
-                         polls_left=delay.polls if delay else 0,
-                         fail=fail.error if fail is not None else None)
+        xfer = _FakeXfer(
+            target,
+            src_a.copy(),
+            dst_a.copy(),
+            bytes(notif),
+            polls_left=delay.polls if delay else 0,
+            fail=fail.error if fail is not None else None,
+        )
         handle = WriteHandle(peer, nbytes, int(src_a.shape[0]), time.time_ns(), native=xfer)
         self._handles.add(handle)
         if xfer.polls_left == 0 and xfer.fail is None:
@@ -347,8 +404,9 @@ class FakeTransport:
         xfer.polls += 1
         try:
             if not xfer.target.alive:
-                raise PeerDisconnected(f"poll write (peer {handle.peer!r}): remote agent "
-                                       f"disconnected")
+                raise PeerDisconnected(
+                    f"poll write (peer {handle.peer!r}): remote agent disconnected"
+                )
             if xfer.polls_left > 0:
                 xfer.polls_left -= 1
                 return False

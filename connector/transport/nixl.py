@@ -24,10 +24,21 @@ from typing import Any
 
 import numpy as np
 
-from connector.core.errors import (LocalProtocolError, PeerDisconnected, PeerUnknown,
-                                   PeerUnreachable, TransportError)
-from connector.transport.base import (DialBook, WriteHandle, check_mem_kind, extents_to_rows,
-                                      tensor_extents, validate_write_descs)
+from connector.core.errors import (
+    LocalProtocolError,
+    PeerDisconnected,
+    PeerUnknown,
+    PeerUnreachable,
+    TransportError,
+)
+from connector.transport.base import (
+    DialBook,
+    WriteHandle,
+    check_mem_kind,
+    extents_to_rows,
+    tensor_extents,
+    validate_write_descs,
+)
 from connector.transport.sidechannel import SideChannel
 
 logger = logging.getLogger(__name__)
@@ -52,8 +63,11 @@ def _is_nixl_error(exc: BaseException) -> bool:
     # from Exception, so match them by name/module; pybind turns other C++ exceptions
     # into RuntimeError (also raised by nixl_agent when no plugin loads).
     cls = type(exc)
-    return (cls.__name__.startswith("nixl") or (cls.__module__ or "").startswith("nixl")
-            or isinstance(exc, RuntimeError))
+    return (
+        cls.__name__.startswith("nixl")
+        or (cls.__module__ or "").startswith("nixl")
+        or isinstance(exc, RuntimeError)
+    )
 
 
 def map_nixl_error(exc: BaseException, op: str, peer: str | None) -> TransportError:
@@ -86,30 +100,47 @@ class NixlTransport:
     removed, then loaded: NIXL refuses new connection info over old (measured:
     NIXL_ERR_NOT_ALLOWED, and the old entry is left unusable)."""
 
-    def __init__(self, agent_name: str, *, listen_host: str = "127.0.0.1", listen_port: int = 0,
-                 backends: Sequence[str] = ("UCX",), num_workers: int | None = None,
-                 side_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        backends: Sequence[str] = ("UCX",),
+        num_workers: int | None = None,
+        side_timeout_s: float = 1.0,
+    ) -> None:
         api = load_nixl_api()
         self._name = agent_name
         # No progress thread (it busy-polls a core; we drive progress) and no listener
         # (the side channel replaces it). Backends are created explicitly (not via the
         # config) so a missing plugin fails here instead of being skipped with a warning,
         # and so UCX gets num_workers.
-        cfg = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                    capture_telemetry=False, backends=[])
+        cfg = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            capture_telemetry=False,
+            backends=[],
+        )
         with _nixl_call("create agent"):
             agent = api.nixl_agent(agent_name, cfg)
             plugins = agent.get_plugin_list()
             for backend in backends:
                 if backend not in plugins:
-                    raise TransportError(f"create agent: NIXL plugin {backend!r} not found "
-                                         f"(have {plugins})")
+                    raise TransportError(
+                        f"create agent: NIXL plugin {backend!r} not found (have {plugins})"
+                    )
                 params: dict[str, str] = {}
                 if backend == "UCX" and num_workers is not None:
                     params["num_workers"] = str(num_workers)
                 agent.create_backend(backend, params)
-        self._side = SideChannel(agent_name, listen_host, listen_port,
-                                 connect_timeout_s=side_timeout_s, io_timeout_s=side_timeout_s)
+        self._side = SideChannel(
+            agent_name,
+            listen_host,
+            listen_port,
+            connect_timeout_s=side_timeout_s,
+            io_timeout_s=side_timeout_s,
+        )
         self._agent: Any = agent
         self._loaded: dict[str, bytes] = {}  # peer -> the metadata bytes we loaded for it
         self.counters: Counter[str] = Counter()  # metadata loads, by outcome
@@ -142,8 +173,9 @@ class NixlTransport:
 
     # -- memory ---------------------------------------------------------------------
 
-    def register_memory(self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM",
-                        device_id: int = 0) -> None:
+    def register_memory(
+        self, extents: Sequence[tuple[int, int]], mem_type: str = "DRAM", device_id: int = 0
+    ) -> None:
         agent = self._live_agent()
         rows = extents_to_rows(extents, device_id)
         if rows.shape[0] == 0:
@@ -227,8 +259,9 @@ class NixlTransport:
         except PeerUnknown:
             pass  # never loaded, or already removed: removing is idempotent
 
-    def request_peer(self, peer: str, host: str, port: int, *,
-                     retry_interval_s: float = 0.05) -> None:
+    def request_peer(
+        self, peer: str, host: str, port: int, *, retry_interval_s: float = 0.05
+    ) -> None:
         self._dials.request(peer, host, port, retry_interval_s, time.monotonic())
 
     def peer_ready(self, peer: str) -> bool:
@@ -246,8 +279,9 @@ class NixlTransport:
         self.progress()  # a dialing loop also wires up endpoints already connecting
         return self._dials.poll(peer, now_s)
 
-    def connect(self, peer: str, host: str, port: int, timeout_s: float,
-                retry_interval_s: float = 0.05) -> None:
+    def connect(
+        self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05
+    ) -> None:
         try:
             self._dials.connect(peer, host, port, timeout_s, retry_interval_s, poll=self.poll_peer)
         except PeerUnreachable as exc:
@@ -261,8 +295,16 @@ class NixlTransport:
 
     # -- writes ---------------------------------------------------------------------
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes, *,
-              src_mem: str = "DRAM", dst_mem: str = "DRAM") -> WriteHandle:
+    def write(
+        self,
+        peer: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        notif: bytes,
+        *,
+        src_mem: str = "DRAM",
+        dst_mem: str = "DRAM",
+    ) -> WriteHandle:
         agent = self._live_agent()
         src_a, dst_a, nbytes = validate_write_descs(src, dst)
         try:
@@ -274,8 +316,10 @@ class NixlTransport:
             # NIXL_ERR_NOT_FOUND here means either "no metadata for the peer" or "no
             # backend has registrations covering these descriptors"; tell them apart.
             if self.peer_ready(peer):
-                raise TransportError(f"prepare write (peer {peer!r}): descriptors outside "
-                                     f"registered memory (NIXL_ERR_NOT_FOUND)") from exc.__cause__
+                raise TransportError(
+                    f"prepare write (peer {peer!r}): descriptors outside "
+                    f"registered memory (NIXL_ERR_NOT_FOUND)"
+                ) from exc.__cause__
             raise
         handle = WriteHandle(peer, nbytes, int(src_a.shape[0]), time.time_ns(), native=xfer)
         self._handles.add(handle)

@@ -53,15 +53,17 @@ class Frame:
     metadata: bytes
 
 
-def encode_frame(kind: int, name: str, metadata: bytes,
-                 max_metadata_bytes: int = MAX_METADATA_BYTES) -> bytes:
+def encode_frame(
+    kind: int, name: str, metadata: bytes, max_metadata_bytes: int = MAX_METADATA_BYTES
+) -> bytes:
     """One wire frame. Oversized input is our bug (LocalProtocolError), not the peer's."""
     raw = name.encode("utf-8")
     if kind not in _KINDS or not raw or len(raw) > MAX_NAME_BYTES:
         raise LocalProtocolError(f"side channel frame: kind {kind}, name {name!r}")
     if len(metadata) > max_metadata_bytes:
-        raise LocalProtocolError(f"side channel frame: {len(metadata)} bytes of metadata "
-                                 f"(cap {max_metadata_bytes})")
+        raise LocalProtocolError(
+            f"side channel frame: {len(metadata)} bytes of metadata (cap {max_metadata_bytes})"
+        )
     return HEADER.pack(MAGIC, VERSION, kind, len(raw), len(metadata)) + raw + bytes(metadata)
 
 
@@ -102,8 +104,7 @@ class FrameReader:
             if kind not in _KINDS:
                 raise _bad("bad_kind", f"kind {kind}")
             if md_len > self._max or name_len > MAX_NAME_BYTES:
-                raise _bad("oversized", f"name {name_len} B, metadata {md_len} B "
-                                        f"(cap {self._max})")
+                raise _bad("oversized", f"name {name_len} B, metadata {md_len} B (cap {self._max})")
             if name_len == 0:
                 raise _bad("malformed", "empty agent name")
             self._lens = (kind, name_len, md_len)
@@ -112,7 +113,7 @@ class FrameReader:
         if self.wanted < 0:
             raise _bad("malformed", f"{-self.wanted} bytes past the end of the frame")
         kind, name_len, md_len = self._lens
-        body = bytes(self._buf[HEADER.size:])
+        body = bytes(self._buf[HEADER.size :])
         try:
             name = body[:name_len].decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -148,9 +149,17 @@ class SideChannel:
     channel burns no CPU. Both only touch sockets, the inbox and the counters.
     """
 
-    def __init__(self, agent_name: str, host: str = "127.0.0.1", port: int = 0, *,
-                 connect_timeout_s: float = 1.0, io_timeout_s: float = 1.0,
-                 max_metadata_bytes: int = MAX_METADATA_BYTES, max_conns: int = 32) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        connect_timeout_s: float = 1.0,
+        io_timeout_s: float = 1.0,
+        max_metadata_bytes: int = MAX_METADATA_BYTES,
+        max_conns: int = 32,
+    ) -> None:
         self.name = agent_name
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
@@ -179,11 +188,13 @@ class SideChannel:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._lsock, selectors.EVENT_READ)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
-        self._server = threading.Thread(target=self._serve, daemon=True,
-                                        name=f"pushkv-sidechannel-{agent_name}")
+        self._server = threading.Thread(
+            target=self._serve, daemon=True, name=f"pushkv-sidechannel-{agent_name}"
+        )
         self._server.start()
-        self._pool = ThreadPoolExecutor(max_workers=1,
-                                        thread_name_prefix=f"pushkv-dial-{agent_name}")
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"pushkv-dial-{agent_name}"
+        )
 
     # -- owner API ------------------------------------------------------------------
 
@@ -309,8 +320,9 @@ class SideChannel:
             # deadline (no periodic tick: an idle server costs nothing).
             timeout = None
             if self._conns:
-                timeout = max(0.0, min(c.deadline_s for c in self._conns.values())
-                              - time.monotonic())
+                timeout = max(
+                    0.0, min(c.deadline_s for c in self._conns.values()) - time.monotonic()
+                )
             for key, mask in self._sel.select(timeout):
                 sock = key.fileobj
                 if sock is self._wake_r:

@@ -49,7 +49,9 @@ function pushkvPlotly(src) {
   return window.__pushkvPlotly;
 }
 """
-_JS = _LOADER + """
+_JS = (
+    _LOADER
+    + """
 
 export default function({ data, parentElement }) {
   let el = parentElement.querySelector(".pushkv-plot");
@@ -64,6 +66,7 @@ export default function({ data, parentElement }) {
     .catch((e) => { el.textContent = "Chart failed: " + e.message; });
 }
 """
+)
 
 _component = components.component("pushkv_plotly_basic", js=_JS, isolate_styles=False)
 
@@ -73,8 +76,10 @@ def preload(where: Any = st) -> None:
     chart: on a first visit the chart's own component code arrives among the last of
     Streamlit's lazily loaded pieces (measured), so the fetch would start last too."""
     if light_charts_available():
-        where.html(f"<script>{_LOADER}; pushkvPlotly({json.dumps(BASIC_SRC)}).catch(() => {{}});"
-                   "</script>", unsafe_allow_javascript=True)
+        where.html(
+            f"<script>{_LOADER}; pushkvPlotly({json.dumps(BASIC_SRC)}).catch(() => {{}});</script>",
+            unsafe_allow_javascript=True,
+        )
 
 
 def basic_types_only(fig: go.Figure) -> bool:
@@ -90,8 +95,6 @@ def show(fig: go.Figure, key: str, config: dict[str, Any] | None = None) -> None
     """Draw ``fig`` (full width) under widget key ``key``."""
     cfg = {**CONFIG, **(config or {})}
     if light_charts_available() and basic_types_only(fig):
-        _component(data={"figure": fig.to_json(), "src": BASIC_SRC,
-                         "config": cfg}, key=key)
+        _component(data={"figure": fig.to_json(), "src": BASIC_SRC, "config": cfg}, key=key)
     else:
         st.plotly_chart(fig, key=key, config=cfg)
-

@@ -33,16 +33,30 @@ def table(a: RunData, b: RunData) -> pd.DataFrame:
     pa, pb = percentiles(a), percentiles(b)
     rows = []
     for stat in ("p50", "p90", "p99"):
-        rows.append((f"TTFT {stat}", pa.at["TTFT", stat] if "TTFT" in pa.index else None,
-                     pb.at["TTFT", stat] if "TTFT" in pb.index else None))
+        rows.append(
+            (
+                f"TTFT {stat}",
+                pa.at["TTFT", stat] if "TTFT" in pa.index else None,
+                pb.at["TTFT", stat] if "TTFT" in pb.index else None,
+            )
+        )
     for seg in dict.fromkeys([*pa.index, *pb.index]):
         if seg != "TTFT":
-            rows.append((f"{seg} mean", pa.at[seg, "mean"] if seg in pa.index else None,
-                         pb.at[seg, "mean"] if seg in pb.index else None))
+            rows.append(
+                (
+                    f"{seg} mean",
+                    pa.at[seg, "mean"] if seg in pa.index else None,
+                    pb.at[seg, "mean"] if seg in pb.index else None,
+                )
+            )
     df = pd.DataFrame(rows, columns=["ms", "A", "B"]).astype({"A": float, "B": float})
     df["B / A"] = df["B"] / df["A"]
-    failed = {"ms": "failed requests", "A": float((a.requests["outcome"] != OK).sum()),
-              "B": float((b.requests["outcome"] != OK).sum()), "B / A": float("nan")}
+    failed = {
+        "ms": "failed requests",
+        "A": float((a.requests["outcome"] != OK).sum()),
+        "B": float((b.requests["outcome"] != OK).sum()),
+        "B / A": float("nan"),
+    }
     return pd.concat([df, pd.DataFrame([failed])], ignore_index=True)
 
 
@@ -59,22 +73,40 @@ def render(run: RunData, params: dict[str, str]) -> None:
         return
     right.markdown(f"**B:** `{other.label}` ({len(other.requests)} requests)")
     rows = table(run, other)
-    st.dataframe(rows.style.format("{:.3f}", subset=["A", "B", "B / A"], na_rep="-"),
-                 hide_index=True, key="compare_table", height=35 * (len(rows) + 1) + 3)
+    st.dataframe(
+        rows.style.format("{:.3f}", subset=["A", "B", "B / A"], na_rep="-"),
+        hide_index=True,
+        key="compare_table",
+        height=35 * (len(rows) + 1) + 3,
+    )
     a_name, b_name = f"A: {_short(run.label)}", f"B: {_short(other.label)}"
     ttft = pd.concat([run.requests.assign(run=a_name), other.requests.assign(run=b_name)])
     ttft = ttft.dropna(subset=["ttft_ms"])
     if not ttft.empty:
-        chart.show(px.ecdf(ttft, x="ttft_ms", color="run", labels={"ttft_ms": "TTFT ms"}),
-                   key="compare_ecdf")
+        chart.show(
+            px.ecdf(ttft, x="ttft_ms", color="run", labels={"ttft_ms": "TTFT ms"}),
+            key="compare_ecdf",
+        )
     segs = pd.concat([run.segments.assign(run=a_name), other.segments.assign(run=b_name)])
     if not segs.empty:
         per_request = segs.groupby(["run", "trace_id", "segment"], as_index=False)["ms"].sum()
-        wide = per_request.pivot_table(index=["run", "trace_id"], columns="segment", values="ms",
-                                       fill_value=0.0)
-        means = wide.groupby(level="run").mean().reset_index().melt(
-            id_vars="run", var_name="segment", value_name="ms")
-        fig = px.bar(means, x="run", y="ms", color="segment", color_discrete_map=COLOR_MAP,
-                     labels={"ms": "mean ms"}, title="Mean TTFT decomposition")
+        wide = per_request.pivot_table(
+            index=["run", "trace_id"], columns="segment", values="ms", fill_value=0.0
+        )
+        means = (
+            wide.groupby(level="run")
+            .mean()
+            .reset_index()
+            .melt(id_vars="run", var_name="segment", value_name="ms")
+        )
+        fig = px.bar(
+            means,
+            x="run",
+            y="ms",
+            color="segment",
+            color_discrete_map=COLOR_MAP,
+            labels={"ms": "mean ms"},
+            title="Mean TTFT decomposition",
+        )
         fig.update_layout(barmode="stack")
         chart.show(fig, key="compare_bars")

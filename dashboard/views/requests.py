@@ -24,10 +24,14 @@ def _summary(run: RunData) -> None:
     cols[1].metric("Failed", int((df["outcome"] != OK).sum()))
     cols[2].metric("TTFT p50 (ms)", f"{ok['ttft_ms'].median():.2f}" if len(ok) else "-")
     cols[3].metric("TTFT p99 (ms)", f"{ok['ttft_ms'].quantile(0.99):.2f}" if len(ok) else "-")
-    cols[4].metric("TPOT mean (ms)", f"{ok['tpot_ms'].mean():.2f}" if ok["tpot_ms"].notna().any() else "-")
+    cols[4].metric(
+        "TPOT mean (ms)", f"{ok['tpot_ms'].mean():.2f}" if ok["tpot_ms"].notna().any() else "-"
+    )
     if run.not_requests:
-        st.caption(f"{run.not_requests} trace(s) without a router request span (probes, stray "
-                   "spans) are not requests and are not listed; the run export includes them.")
+        st.caption(
+            f"{run.not_requests} trace(s) without a router request span (probes, stray "
+            "spans) are not requests and are not listed; the run export includes them."
+        )
     if run.problems:
         with st.expander(f"{len(run.problems)} unreadable line(s) skipped"):
             st.code("\n".join(run.problems[:50]))
@@ -52,8 +56,9 @@ def _filters(df: pd.DataFrame, label: str) -> pd.DataFrame:
     if min_ttft > 0:
         keep &= df["ttft_ms"].fillna(float("inf")) >= min_ttft
     if text:
-        keep &= (df["request_id"].str.lower().str.contains(text, regex=False)
-                 | df["trace_id"].str.contains(text, regex=False))
+        keep &= df["request_id"].str.lower().str.contains(text, regex=False) | df[
+            "trace_id"
+        ].str.contains(text, regex=False)
     return df[keep].reset_index(drop=True)
 
 
@@ -71,12 +76,21 @@ def _initial_trace(run: RunData, options: list[str]) -> str:
 
 def _segment_table(path: CriticalPath) -> pd.DataFrame:
     total = path.total_ns or 1
-    return pd.DataFrame([{
-        "segment": s.name.value if s.name is not Seg.UNKNOWN else
-        "unknown: " + " + ".join(c.value for c in s.covers),
-        "start_ms": (s.start_ns - path.start_ns) / 1e6, "ms": s.duration_ns / 1e6,
-        "share_%": 100 * s.duration_ns / total, "negative": s.negative, "error": s.error or "",
-    } for s in path.segments])
+    return pd.DataFrame(
+        [
+            {
+                "segment": s.name.value
+                if s.name is not Seg.UNKNOWN
+                else "unknown: " + " + ".join(c.value for c in s.covers),
+                "start_ms": (s.start_ns - path.start_ns) / 1e6,
+                "ms": s.duration_ns / 1e6,
+                "share_%": 100 * s.duration_ns / total,
+                "negative": s.negative,
+                "error": s.error or "",
+            }
+            for s in path.segments
+        ]
+    )
 
 
 def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
@@ -92,8 +106,10 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
         if path.ttft_ns is None:
             st.info("No first token reached the client: the segments run to the request's end.")
         elif pd.notna(row["stream"]) and not bool(row["stream"]):
-            st.info("Not streamed: the first chunk is the whole answer, so 'stream back' holds "
-                    "the decode of every token after the first.")
+            st.info(
+                "Not streamed: the first chunk is the whole answer, so 'stream back' holds "
+                "the decode of every token after the first."
+            )
     chart.show(waterfall_figure(trace, path), key="waterfall")
     if path is not None:
         c1, c2 = st.columns([3, 2])
@@ -109,19 +125,36 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
         labels = row_labels(trace)
         if st.session_state.get("span_pick", 0) >= len(labels):  # kept from a larger trace
             st.session_state["span_pick"] = 0
-        pick = st.selectbox("Span", range(len(labels)), format_func=lambda i: labels[i][0], key="span_pick")
+        pick = st.selectbox(
+            "Span", range(len(labels)), format_func=lambda i: labels[i][0], key="span_pick"
+        )
         sp = labels[pick][1]
-        st.json({"name": sp.name, "span_id": sp.span_id, "parent_span_id": sp.parent_span_id,
-                 "status": sp.status.name, "status_message": sp.status_message,
-                 "attributes": dict(sp.attributes), "resource": dict(sp.resource),
-                 "events": [{"name": e.name, "time_ns": e.time_ns, **e.attributes} for e in sp.events]})
+        st.json(
+            {
+                "name": sp.name,
+                "span_id": sp.span_id,
+                "parent_span_id": sp.parent_span_id,
+                "status": sp.status.name,
+                "status_message": sp.status_message,
+                "attributes": dict(sp.attributes),
+                "resource": dict(sp.resource),
+                "events": [
+                    {"name": e.name, "time_ns": e.time_ns, **e.attributes} for e in sp.events
+                ],
+            }
+        )
     c1, c2 = st.columns([3, 1])
     link = share_link({**params, TRACE_KEY: trace_id})
     # a markdown link, not st.code: that would load a 1.5 MB syntax highlighter on first visit
     c1.markdown(f"Link to this request: [`{link}`]({link})")
-    c2.download_button("Export trace (Perfetto JSON)", data=lambda: trace_export(run, trace_id),
-                       file_name=f"pushkv-{trace_id}.perfetto.json", mime="application/json",
-                       key="export_trace", on_click="ignore")
+    c2.download_button(
+        "Export trace (Perfetto JSON)",
+        data=lambda: trace_export(run, trace_id),
+        file_name=f"pushkv-{trace_id}.perfetto.json",
+        mime="application/json",
+        key="export_trace",
+        on_click="ignore",
+    )
 
 
 def render(run: RunData, params: dict[str, str]) -> None:
@@ -130,14 +163,23 @@ def render(run: RunData, params: dict[str, str]) -> None:
         st.info("No requests in this source.")
         return
     shown = _filters(run.requests, run.label)
-    st.caption(f"{len(shown)} of {len(run.requests)} requests · failed and slowest first · "
-               "click a column to sort, a row to open it")
+    st.caption(
+        f"{len(shown)} of {len(run.requests)} requests · failed and slowest first · "
+        "click a column to sort, a row to open it"
+    )
     event = st.dataframe(
-        shown, key=TABLE_KEY, on_select="rerun", selection_mode="single-row", hide_index=True,
-        column_config={"ttft_ms": st.column_config.NumberColumn("TTFT ms", format="%.2f"),
-                       "tpot_ms": st.column_config.NumberColumn("TPOT ms", format="%.2f"),
-                       "unknown_ms": st.column_config.NumberColumn("unknown ms", format="%.2f"),
-                       "start_s": st.column_config.NumberColumn("start s", format="%.3f")})
+        shown,
+        key=TABLE_KEY,
+        on_select="rerun",
+        selection_mode="single-row",
+        hide_index=True,
+        column_config={
+            "ttft_ms": st.column_config.NumberColumn("TTFT ms", format="%.2f"),
+            "tpot_ms": st.column_config.NumberColumn("TPOT ms", format="%.2f"),
+            "unknown_ms": st.column_config.NumberColumn("unknown ms", format="%.2f"),
+            "start_s": st.column_config.NumberColumn("start s", format="%.3f"),
+        },
+    )
     options = run.requests["trace_id"].tolist()
     rows = event.selection.rows if event is not None else []
     if rows and rows[0] < len(shown):
@@ -147,7 +189,9 @@ def render(run: RunData, params: dict[str, str]) -> None:
             st.session_state[TRACE_KEY] = picked
     if st.session_state.get(TRACE_KEY) not in options:
         st.session_state[TRACE_KEY] = _initial_trace(run, options)
-    labels = run.requests.set_index("trace_id")[["request_id", "ttft_ms", "outcome"]].to_dict("index")
+    labels = run.requests.set_index("trace_id")[["request_id", "ttft_ms", "outcome"]].to_dict(
+        "index"
+    )
 
     def fmt(tid: str) -> str:
         r = labels[tid]

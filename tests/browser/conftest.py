@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.ports import free_port
+from connector.transport.ports import free_port
 from dashboard.launch import command
 from tests.fixtures.traces import run_dirs
 
@@ -30,7 +30,9 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"streamlit exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"streamlit exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
                 if r.read().strip() == b"ok":
@@ -38,8 +40,9 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)  # polling interval of a bounded wait, not synchronisation by sleep
-    raise AssertionError(f"streamlit not healthy at {url} within {START_TIMEOUT_S} s:\n"
-                         f"{log.read_text()[-3000:]}")
+    raise AssertionError(
+        f"streamlit not healthy at {url} within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+    )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -28,7 +28,9 @@ def _open(browser, url: str, tmp_path: Path, name: str):  # type: ignore[no-unty
 def test_waterfall_renders(dashboard_url: str, browser, run_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     data = load_run_folder(run_dir)
     first = data.requests.iloc[0]
-    page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "req")
+    page, errors = _open(
+        browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "req"
+    )
     try:
         page.get_by_text(f"Critical path: {first['request_id']}").wait_for(timeout=WAIT_MS)
         page.locator("[data-testid='stDataFrame']").first.wait_for(timeout=WAIT_MS)
@@ -37,7 +39,9 @@ def test_waterfall_renders(dashboard_url: str, browser, run_dir: Path, tmp_path:
         spans = len(data.traces[first["trace_id"]].spans)
         path = data.paths[first["trace_id"]]
         segments = len(path.segments) if path else 0
-        assert bars.count() == spans + segments, "one bar per span plus one per critical-path segment"
+        assert bars.count() == spans + segments, (
+            "one bar per span plus one per critical-path segment"
+        )
         assert "trace=" + first["trace_id"] in page.url  # the link to this request is in the URL
         # drawn by plotly.js's basic bundle (dashboard.views.chart), not Streamlit's 4.7 MB one
         assert page.evaluate("window.Plotly && window.Plotly.version") == chart.BASIC_VERSION
@@ -70,9 +74,13 @@ def test_clicking_a_row_opens_that_request(dashboard_url: str, browser, tmp_path
     run_dir = next(d for d in run_dirs() if len(load_run_folder(d).requests) >= 2)
     data = load_run_folder(run_dir)
     second = data.requests.iloc[1]
-    page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "click")
+    page, errors = _open(
+        browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "click"
+    )
     try:
-        page.get_by_text(f"Critical path: {data.requests.iloc[0]['request_id']}").wait_for(timeout=WAIT_MS)
+        page.get_by_text(f"Critical path: {data.requests.iloc[0]['request_id']}").wait_for(
+            timeout=WAIT_MS
+        )
         # the page has settled (chart drawn) and the grid's canvas is up: a click now lands
         page.locator(".js-plotly-plot .barlayer .point path").first.wait_for(timeout=WAIT_MS)
         page.locator("[data-testid='stDataFrame'] canvas").first.wait_for(timeout=WAIT_MS)
@@ -88,21 +96,31 @@ def test_clicking_a_row_opens_that_request(dashboard_url: str, browser, tmp_path
         page.close()
 
 
-def test_exports_download_as_chrome_trace_json(dashboard_url: str, browser,  # type: ignore[no-untyped-def]
-                                                tmp_path: Path) -> None:
+def test_exports_download_as_chrome_trace_json(
+    dashboard_url: str,
+    browser,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
     run_dir = run_dirs()[0]
     data = load_run_folder(run_dir)
     first = data.requests.iloc[0]
-    page, errors = _open(browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "dl")
+    page, errors = _open(
+        browser, f"{dashboard_url}/?{urlencode({'run': str(run_dir)})}", tmp_path, "dl"
+    )
     try:
         page.get_by_text(f"Critical path: {first['request_id']}").wait_for(timeout=WAIT_MS)
         one = len(data.traces[first["trace_id"]].spans)
         every = sum(len(t.spans) for t in data.traces.values())
-        for label, spans in (("Export trace (Perfetto JSON)", one), ("Export run (Perfetto JSON)", every)):
+        for label, spans in (
+            ("Export trace (Perfetto JSON)", one),
+            ("Export run (Perfetto JSON)", every),
+        ):
             with page.expect_download(timeout=WAIT_MS) as dl:
                 page.get_by_role("button", name=label).click()
             doc = json.loads(Path(dl.value.path()).read_text())
-            slices = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "critical path"]
+            slices = [
+                e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "critical path"
+            ]
             assert len(slices) == spans, label
         assert not errors, errors
     finally:

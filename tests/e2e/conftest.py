@@ -6,7 +6,7 @@ log directory, the skip when vLLM is not installed, and the one session-scoped p
 HTTP clients. Tests that use the stack run after every other test, so the single servers of
 other modules are stopped before it starts (never more than one P/D pair on the machine).
 Must not import vLLM (servers are child processes); tests start servers through
-``connector.stack`` and ``connector.pdstack``.
+``connector.tools.stack`` and ``connector.tools.pdstack``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.pdstack import PdStack
-from connector.tinymodel import make_tiny_model
+from connector.tools.pdstack import PdStack
+from connector.tools.tinymodel import make_tiny_model
 
 # Children inherit this; the tests never reach the hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -75,8 +75,15 @@ class Pd:
 
 def _warm_up(client: httpx.Client, **extra: object) -> None:
     # The first request with logprobs on a fresh server takes 2-20 s.
-    body = {"model": "tiny", "prompt": "warm up the logprobs path", "max_tokens": 4,
-            "temperature": 0, "logprobs": 1, "ignore_eos": True, **extra}
+    body = {
+        "model": "tiny",
+        "prompt": "warm up the logprobs path",
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        **extra,
+    }
     resp = client.post("/v1/completions", json=body)
     assert resp.status_code == 200, f"warm-up via {client.base_url}: {resp.text}"
 
@@ -84,17 +91,19 @@ def _warm_up(client: httpx.Client, **extra: object) -> None:
 @pytest.fixture(scope="session")
 def pd(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
     """P + D (PushConnector) + router on the tiny model, started once per session."""
-    stack = PdStack(tiny_model, e2e_log_dir / "pd-push",
-                    decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S})
+    stack = PdStack(
+        tiny_model,
+        e2e_log_dir / "pd-push",
+        decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S},
+    )
     try:
         stack.start(START_TIMEOUT_S)
-        print(f"\n[pd] push stack healthy after {stack.start_duration_s:.1f} s\n"
-              f"{stack.describe()}")
-        with (httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,
-              httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S,
-                           trust_env=False) as p,
-              httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S,
-                           trust_env=False) as d):
+        print(f"\n[pd] push stack healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
+        with (
+            httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,
+            httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as p,
+            httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d,
+        ):
             t0 = time.monotonic()
             _warm_up(p)
             _warm_up(d, cache_salt=uuid.uuid4().hex)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from connector.pdstack import metric_sum
-from connector.stack import free_port
+from connector.tools.pdstack import metric_sum
+from connector.tools.stack import free_port
 
 if TYPE_CHECKING:
     from conftest import Pd  # tests/e2e/conftest.py (the fixture's type)
@@ -47,14 +47,22 @@ IDLE_CPU_MAX_PCT = 5.0
 
 # ------------------------------------------------------------------------------ helpers
 
+
 def random_prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
 
 def greedy_body(prompt: list[int] | str, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True, **extra}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def post_ok(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -66,8 +74,7 @@ def post_ok(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, 
 
 def reference(pd: Pd, prompt: list[int] | str) -> dict[str, Any]:
     """Single instance: straight to D, no kv_transfer_params, a fresh cache_salt."""
-    return post_ok(pd.decode, "/v1/completions",
-                   greedy_body(prompt, cache_salt=uuid.uuid4().hex))
+    return post_ok(pd.decode, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex))
 
 
 def choice(out: dict[str, Any]) -> tuple[str, list[str], list[float]]:
@@ -81,15 +88,18 @@ def assert_matches_reference(got: dict[str, Any], ref: dict[str, Any], what: str
     assert got["usage"]["completion_tokens"] == MAX_TOKENS, what
     assert text == ref_text, f"{what}: text differs from the single instance"
     assert tokens == ref_tokens, what
-    assert abs(lps[0] - ref_lps[0]) <= FIRST_LOGPROB_TOL, \
+    assert abs(lps[0] - ref_lps[0]) <= FIRST_LOGPROB_TOL, (
         f"{what}: first logprob {lps[0]} vs {ref_lps[0]}"
+    )
     assert lps[1:] == ref_lps[1:], f"{what}: later logprobs differ: {lps} vs {ref_lps}"
 
 
 def source_tokens(client: httpx.Client) -> dict[str, float]:
     text = client.get("/metrics").text
-    return {src: metric_sum(text, SOURCE_METRIC, source=src) or 0.0
-            for src in ("external_kv_transfer", "local_compute", "local_cache_hit")}
+    return {
+        src: metric_sum(text, SOURCE_METRIC, source=src) or 0.0
+        for src in ("external_kv_transfer", "local_compute", "local_cache_hit")
+    }
 
 
 def settled_source_tokens(client: httpx.Client, expect_external: float) -> dict[str, float]:
@@ -112,7 +122,7 @@ def stream_text(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[
         for line in resp.iter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -127,9 +137,15 @@ def stream_text(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[
 
 def decode_leg(coords: dict[str, Any], transfer_id: str, **override: Any) -> dict[str, Any]:
     """A D leg as the router builds it (connector/kv_params.py: DecodeLeg)."""
-    leg = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
-           "remote_engine_id": coords["engine_id"], "remote_host": coords["host"],
-           "remote_port": coords["port"], "remote_tp_size": coords["tp_size"]}
+    leg = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_engine_id": coords["engine_id"],
+        "remote_host": coords["host"],
+        "remote_port": coords["port"],
+        "remote_tp_size": coords["tp_size"],
+    }
     if coords.get("ports"):
         leg["remote_ports"] = coords["ports"]
     if coords.get("agents"):
@@ -139,9 +155,16 @@ def decode_leg(coords: dict[str, Any], transfer_id: str, **override: Any) -> dic
 
 
 def probe_prefill(pd: Pd) -> dict[str, Any]:
-    out = post_ok(pd.prefill, "/v1/completions", {
-        "model": "tiny", "prompt": "probe", "max_tokens": 1,
-        "kv_transfer_params": {"pushkv_probe": True}})
+    out = post_ok(
+        pd.prefill,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "probe",
+            "max_tokens": 1,
+            "kv_transfer_params": {"pushkv_probe": True},
+        },
+    )
     coords: dict[str, Any] = out["kv_transfer_params"]["pushkv"]
     return coords
 
@@ -161,6 +184,7 @@ def wait_idle(pd: Pd, timeout_s: float = IDLE_WAIT_S) -> dict[str, float | None]
 
 # ------------------------------------------------------------------------------ tests
 
+
 def test_greedy_equals_single_instance(pd: Pd) -> None:
     prompts = {n: random_prompt(n, seed=1000 + n) for n in PROMPT_LENGTHS}
     before = source_tokens(pd.decode)
@@ -168,16 +192,18 @@ def test_greedy_equals_single_instance(pd: Pd) -> None:
     for n, prompt in prompts.items():
         t0 = time.monotonic()
         disagg[n] = post_ok(pd.router, "/v1/completions", greedy_body(prompt))
-        print(f"\n[pd] {n:5}-token prompt via router: {(time.monotonic() - t0) * 1000:.0f} ms",
-              end="")
+        print(
+            f"\n[pd] {n:5}-token prompt via router: {(time.monotonic() - t0) * 1000:.0f} ms", end=""
+        )
         assert disagg[n]["usage"]["prompt_tokens"] == n
     total = sum(PROMPT_LENGTHS)
     after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + total)
     delta = {k: after[k] - before[k] for k in after}
     print(f"\n[pd] D prompt tokens by source over {total} prompt tokens: {delta}")
     # Taken before the references: they compute locally on D.
-    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, \
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
         f"D did not take all {total} prompt tokens from P: {delta}; logs in {pd.stack.run_dir}"
+    )
     for n, prompt in prompts.items():
         assert_matches_reference(disagg[n], reference(pd, prompt), f"{n}-token prompt")
 
@@ -190,8 +216,13 @@ def test_negative_control_kv_comes_from_prefill(pd: Pd) -> None:
     p_prompt = random_prompt(n - 8, seed=8) + d_prompt[-8:]
     coords = probe_prefill(pd)
     tid = uuid.uuid4().hex
-    p_body = {"model": "tiny", "prompt": p_prompt, "max_tokens": 1, "temperature": 0,
-              "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+    p_body = {
+        "model": "tiny",
+        "prompt": p_prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid},
+    }
     d_body = greedy_body(d_prompt, kv_transfer_params=decode_leg(coords, tid))
     before = source_tokens(pd.decode)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -201,8 +232,9 @@ def test_negative_control_kv_comes_from_prefill(pd: Pd) -> None:
         p_future.result(timeout=120)
     after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + n)
     delta = {k: after[k] - before[k] for k in after}
-    assert delta["external_kv_transfer"] == n and delta["local_compute"] == 0, \
+    assert delta["external_kv_transfer"] == n and delta["local_compute"] == 0, (
         f"D did not take the {n} prompt tokens from P: {delta}; logs in {pd.stack.run_dir}"
+    )
     ref = reference(pd, d_prompt)
     text, tokens, lps = choice(got)
     ref_text, ref_tokens, ref_lps = choice(ref)
@@ -215,13 +247,27 @@ def test_negative_control_kv_comes_from_prefill(pd: Pd) -> None:
 def test_streamed_equals_non_streamed(pd: Pd, endpoint: str) -> None:
     if endpoint == "completions":
         path = "/v1/completions"
-        body: dict[str, Any] = {"model": "tiny", "prompt": random_prompt(150, seed=11),
-                                "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": random_prompt(150, seed=11),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
     else:
         path = "/v1/chat/completions"
-        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "Tell me about foxes and crows, "
-                                                        "the bridge and the seven dogs."}]}
+        body = {
+            "model": "tiny",
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "Tell me about foxes and crows, the bridge and the seven dogs.",
+                }
+            ],
+        }
     whole = post_ok(pd.router, path, body)
     c = whole["choices"][0]
     text = c["text"] if endpoint == "completions" else c["message"]["content"]
@@ -234,8 +280,11 @@ def test_streamed_equals_non_streamed(pd: Pd, endpoint: str) -> None:
 
 def test_decode_leg_missing_fields_is_computed_locally(pd: Pd) -> None:
     prompt = random_prompt(64, seed=21)
-    out = post_ok(pd.decode, "/v1/completions",
-                  greedy_body(prompt, kv_transfer_params={"do_remote_prefill": True}))
+    out = post_ok(
+        pd.decode,
+        "/v1/completions",
+        greedy_body(prompt, kv_transfer_params={"do_remote_prefill": True}),
+    )
     params = out.get("kv_transfer_params") or {}
     assert "pushkv_error" in params, out
     print(f"\n[pd] missing fields: {params['pushkv_error']}")
@@ -244,8 +293,14 @@ def test_decode_leg_missing_fields_is_computed_locally(pd: Pd) -> None:
 
 def test_decode_leg_wrong_types_is_computed_locally(pd: Pd) -> None:
     prompt = random_prompt(64, seed=22)
-    bad = {"do_remote_prefill": True, "transfer_id": 42, "remote_engine_id": ["prefill"],
-           "remote_host": 127, "remote_port": "not-a-port", "remote_tp_size": "1"}
+    bad = {
+        "do_remote_prefill": True,
+        "transfer_id": 42,
+        "remote_engine_id": ["prefill"],
+        "remote_host": 127,
+        "remote_port": "not-a-port",
+        "remote_tp_size": "1",
+    }
     out = post_ok(pd.decode, "/v1/completions", greedy_body(prompt, kv_transfer_params=bad))
     params = out.get("kv_transfer_params") or {}
     assert "pushkv_error" in params, out
@@ -261,8 +316,9 @@ def test_decode_leg_naming_unreachable_prefill(pd: Pd) -> None:
     leg = decode_leg(ghost, uuid.uuid4().hex)
     bound_s = float(pd.stack.decode_extra_config["dial_timeout_s"]) + 30
     t0 = time.monotonic()
-    resp = pd.decode.post("/v1/completions", json=greedy_body(prompt, kv_transfer_params=leg),
-                          timeout=bound_s)
+    resp = pd.decode.post(
+        "/v1/completions", json=greedy_body(prompt, kv_transfer_params=leg), timeout=bound_s
+    )
     elapsed_s = time.monotonic() - t0
     print(f"\n[pd] unreachable P: HTTP {resp.status_code} after {elapsed_s:.1f} s")
     assert resp.status_code == 200, resp.text
@@ -270,8 +326,9 @@ def test_decode_leg_naming_unreachable_prefill(pd: Pd) -> None:
 
 
 def test_router_rejects_client_kv_transfer_params(pd: Pd) -> None:
-    resp = pd.router.post("/v1/completions", json=greedy_body(
-        "hello", kv_transfer_params={"do_remote_prefill": True}))
+    resp = pd.router.post(
+        "/v1/completions", json=greedy_body("hello", kv_transfer_params={"do_remote_prefill": True})
+    )
     assert resp.status_code == 400, resp.text
     assert "kv_transfer_params" in resp.json()["error"]["message"]
 
@@ -288,8 +345,9 @@ def test_kv_cache_returns_to_idle(pd: Pd) -> None:
     t0 = time.monotonic()
     usage = wait_idle(pd)
     print(f"\n[pd] KV cache usage {usage} after {time.monotonic() - t0:.1f} s")
-    assert usage == {"prefill": 0.0, "decode": 0.0}, \
+    assert usage == {"prefill": 0.0, "decode": 0.0}, (
         f"KV blocks still held {IDLE_WAIT_S:.0f} s after the last request: {usage}"
+    )
 
 
 def cpu_pct(pd: Pd, window_s: float) -> float:
@@ -307,10 +365,13 @@ def test_idle_pair_uses_almost_no_cpu(pd: Pd) -> None:
     # shm_broadcast.py), so the pair is quiet only a moment after its last request.
     t0, deadline = time.monotonic(), time.monotonic() + SETTLE_WAIT_S
     while (settle := cpu_pct(pd, 1.0)) >= IDLE_CPU_MAX_PCT:
-        assert time.monotonic() < deadline, \
+        assert time.monotonic() < deadline, (
             f"P+D still use {settle:.1f} % of a core {SETTLE_WAIT_S:.0f} s after the traffic"
+        )
     settled_s = time.monotonic() - t0
     pct = cpu_pct(pd, IDLE_WINDOW_S)
-    print(f"\n[pd] idle P+D (quiet after {settled_s:.1f} s): {pct:.2f} % of a core over "
-          f"{IDLE_WINDOW_S:.0f} s (utime+stime of both servers' process groups)")
+    print(
+        f"\n[pd] idle P+D (quiet after {settled_s:.1f} s): {pct:.2f} % of a core over "
+        f"{IDLE_WINDOW_S:.0f} s (utime+stime of both servers' process groups)"
+    )
     assert pct < IDLE_CPU_MAX_PCT

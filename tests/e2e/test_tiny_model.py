@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.stack import ServerError, VllmServer, free_port, port_is_free
+from connector.tools.stack import ServerError, VllmServer, free_port, port_is_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -31,8 +31,10 @@ def server(tiny_model: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
     srv.start()
     try:
         srv.wait_healthy(300)
-        print(f"\n[tiny] healthy after {time.monotonic() - t0:.1f} s; "
-              f"RSS {srv.rss_bytes() / 2**30:.2f} GiB (process group)")
+        print(
+            f"\n[tiny] healthy after {time.monotonic() - t0:.1f} s; "
+            f"RSS {srv.rss_bytes() / 2**30:.2f} GiB (process group)"
+        )
         yield srv
     finally:
         srv.stop()
@@ -47,16 +49,24 @@ def client(server: VllmServer) -> Iterator[httpx.Client]:
 
 
 def complete(client: httpx.Client, prompt: str, **extra: Any) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-            "logprobs": 1, "ignore_eos": True, **extra}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        **extra,
+    }
     resp = client.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
 def token_ids(client: httpx.Client, text: str) -> list[int]:
-    resp = client.post("/tokenize", json={"model": "tiny", "prompt": text,
-                                          "add_special_tokens": False})
+    resp = client.post(
+        "/tokenize", json={"model": "tiny", "prompt": text, "add_special_tokens": False}
+    )
     assert resp.status_code == 200, resp.text
     return list(resp.json()["tokens"])
 
@@ -71,8 +81,9 @@ def test_output_depends_on_whole_prompt(client: httpx.Client) -> None:
     assert out_a["usage"]["completion_tokens"] == 16 == out_b["usage"]["completion_tokens"]
     assert text_a != text_b, f"output ignores all but the last tokens: {text_a!r}"
     # Not just a different sampling path: the very first greedy token differs.
-    assert (out_a["choices"][0]["logprobs"]["tokens"][0]
-            != out_b["choices"][0]["logprobs"]["tokens"][0])
+    assert (
+        out_a["choices"][0]["logprobs"]["tokens"][0] != out_b["choices"][0]["logprobs"]["tokens"][0]
+    )
 
 
 def test_greedy_is_reproducible_to_the_logprob(client: httpx.Client) -> None:
@@ -85,14 +96,23 @@ def test_greedy_is_reproducible_to_the_logprob(client: httpx.Client) -> None:
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert lp1["tokens"] == lp2["tokens"]
     assert lp1["token_logprobs"] == lp2["token_logprobs"]  # bit-for-bit, as floats
-    print(f"\n[tiny] 16-token greedy completion: {duration_s * 1000:.0f} ms "
-          f"({16 / duration_s:.0f} tokens/s, prompt {first['usage']['prompt_tokens']} tokens)")
+    print(
+        f"\n[tiny] 16-token greedy completion: {duration_s * 1000:.0f} ms "
+        f"({16 / duration_s:.0f} tokens/s, prompt {first['usage']['prompt_tokens']} tokens)"
+    )
 
 
 def test_chat_completions(client: httpx.Client) -> None:
-    resp = client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["choices"][0]["message"]["role"] == "assistant"
@@ -117,9 +137,13 @@ def test_stop_by_pid_frees_port(server: VllmServer, client: httpx.Client) -> Non
 def test_child_env_and_flags(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A stray VLLM_CPU_KVCACHE_SPACE would silently override --kv-cache-memory-bytes.
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
-    srv = VllmServer(tiny_model, 1234, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"},
-                     kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"},
-                     extra_args=["--max-num-seqs", "8"])
+    srv = VllmServer(
+        tiny_model,
+        1234,
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"},
+        kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"},
+        extra_args=["--max-num-seqs", "8"],
+    )
     env, cmd = srv.child_env(), srv.command()
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["HF_HUB_OFFLINE"] == "1" and env["UCX_NET_DEVICES"] == "lo"

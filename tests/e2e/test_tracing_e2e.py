@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from connector.stack import free_port
+from connector.tools.stack import free_port
 from telemetry.schema import Attr, Event, Span
 from tests.e2e.conftest import START_TIMEOUT_S, Pd
 from tests.e2e.test_push_e2e import decode_leg, greedy_body, random_prompt, stream_text
@@ -29,20 +29,42 @@ from tests.e2e.test_push_e2e import decode_leg, greedy_body, random_prompt, stre
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SPANS_WAIT_S = 30.0  # the exporters flush every 0.5 s; a loaded box may take longer
-PUSH_SPANS = (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE,
-              Span.PREFILL, Span.RENDEZVOUS_WAIT, Span.PREPARE_DESCRIPTORS, Span.WRITE,
-              Span.REGISTER, Span.AWAIT_KV, Span.FIRST_TOKEN)
-PARENT = {Span.ROUTE: Span.REQUEST, Span.PREFILL_LEG: Span.REQUEST,
-          Span.DECODE_LEG: Span.REQUEST, Span.FIRST_BYTE: Span.DECODE_LEG,
-          Span.PREFILL: Span.PREFILL_LEG, Span.RENDEZVOUS_WAIT: Span.DECODE_LEG,
-          Span.PREPARE_DESCRIPTORS: Span.DECODE_LEG, Span.WRITE: Span.DECODE_LEG,
-          Span.REGISTER: Span.DECODE_LEG, Span.AWAIT_KV: Span.DECODE_LEG,
-          Span.FIRST_TOKEN: Span.DECODE_LEG}
+PUSH_SPANS = (
+    Span.REQUEST,
+    Span.ROUTE,
+    Span.PREFILL_LEG,
+    Span.DECODE_LEG,
+    Span.FIRST_BYTE,
+    Span.PREFILL,
+    Span.RENDEZVOUS_WAIT,
+    Span.PREPARE_DESCRIPTORS,
+    Span.WRITE,
+    Span.REGISTER,
+    Span.AWAIT_KV,
+    Span.FIRST_TOKEN,
+)
+PARENT = {
+    Span.ROUTE: Span.REQUEST,
+    Span.PREFILL_LEG: Span.REQUEST,
+    Span.DECODE_LEG: Span.REQUEST,
+    Span.FIRST_BYTE: Span.DECODE_LEG,
+    Span.PREFILL: Span.PREFILL_LEG,
+    Span.RENDEZVOUS_WAIT: Span.DECODE_LEG,
+    Span.PREPARE_DESCRIPTORS: Span.DECODE_LEG,
+    Span.WRITE: Span.DECODE_LEG,
+    Span.REGISTER: Span.DECODE_LEG,
+    Span.AWAIT_KV: Span.DECODE_LEG,
+    Span.FIRST_TOKEN: Span.DECODE_LEG,
+}
 # How much later than D's count P may observe its WRITE's DONE (a poll, a CPU wait).
 WRITE_DONE_LAG_NS = 50_000_000
-SERVICE = {Span.PREFILL: "pushkv-prefill", Span.WRITE: "pushkv-prefill",
-           Span.AWAIT_KV: "pushkv-decode", Span.FIRST_TOKEN: "pushkv-decode",
-           Span.REQUEST: "pushkv-router"}
+SERVICE = {
+    Span.PREFILL: "pushkv-prefill",
+    Span.WRITE: "pushkv-prefill",
+    Span.AWAIT_KV: "pushkv-decode",
+    Span.FIRST_TOKEN: "pushkv-decode",
+    Span.REQUEST: "pushkv-router",
+}
 
 
 def read_spans(run_dir: Path, trace_ids: set[str]) -> dict[str, list[dict[str, Any]]]:
@@ -54,12 +76,15 @@ def read_spans(run_dir: Path, trace_ids: set[str]) -> dict[str, list[dict[str, A
             if not line.strip():
                 continue
             for rs in json.loads(line)["resourceSpans"]:
-                res = {a["key"]: a["value"].get("stringValue") for a in rs["resource"]["attributes"]}
+                res = {
+                    a["key"]: a["value"].get("stringValue") for a in rs["resource"]["attributes"]
+                }
                 for ss in rs["scopeSpans"]:
                     for sp in ss["spans"]:
                         if sp["traceId"] in trace_ids:
                             out[sp["traceId"]].append(
-                                {**sp, "file": path.name, "service": res.get("service.name")})
+                                {**sp, "file": path.name, "service": res.get("service.name")}
+                            )
     return out
 
 
@@ -72,9 +97,11 @@ def wait_for_spans(run_dir: Path, want: dict[str, int]) -> dict[str, list[dict[s
         if not short:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"after {SPANS_WAIT_S:.0f} s, traces still short of spans "
-                                 f"(trace id: spans found): {short}; files: "
-                                 f"{sorted(p.name for p in run_dir.glob('traces-*.jsonl'))}")
+            raise AssertionError(
+                f"after {SPANS_WAIT_S:.0f} s, traces still short of spans "
+                f"(trace id: spans found): {short}; files: "
+                f"{sorted(p.name for p in run_dir.glob('traces-*.jsonl'))}"
+            )
         time.sleep(0.2)
 
 
@@ -106,16 +133,22 @@ def check_push_trace(spans: list[dict[str, Any]], client_span: str, what: str) -
     assert root.get("parentSpanId") == client_span, f"{what}: root is not the client's child"
     for child, parent in PARENT.items():
         c, p = one[child], one[parent]
-        assert c["parentSpanId"] == p["spanId"], f"{what}: {child.value}'s parent is not {parent.value}"
-        assert t(p, "startTimeUnixNano") <= t(c, "startTimeUnixNano"), \
+        assert c["parentSpanId"] == p["spanId"], (
+            f"{what}: {child.value}'s parent is not {parent.value}"
+        )
+        assert t(p, "startTimeUnixNano") <= t(c, "startTimeUnixNano"), (
             f"{what}: {child.value} starts before its parent {parent.value}"
-        assert t(c, "endTimeUnixNano") <= t(p, "endTimeUnixNano"), \
+        )
+        assert t(c, "endTimeUnixNano") <= t(p, "endTimeUnixNano"), (
             f"{what}: {child.value} ends after its parent {parent.value}"
+        )
     for s in spans:
         start, end = t(s, "startTimeUnixNano"), t(s, "endTimeUnixNano")
         assert start <= end, f"{what}: {s['name']} has a negative duration"
         for e in s.get("events", ()):
-            assert start <= int(e["timeUnixNano"]) <= end, f"{what}: {e['name']} outside {s['name']}"
+            assert start <= int(e["timeUnixNano"]) <= end, (
+                f"{what}: {e['name']} outside {s['name']}"
+            )
         assert not is_error(s), f"{what}: {s['name']} ended in error: {attrs(s)}"
         assert attrs(s).get(Attr.OUTCOME.value) == "ok", (what, s["name"], attrs(s))
     # Causal order: D cannot count a completion before P posted the WRITE. P's write span
@@ -123,18 +156,27 @@ def check_push_trace(spans: list[dict[str, Any]], client_span: str, what: str) -
     # tells D when the data has landed, P when its acknowledgement is back; with P pinned to
     # one core its transfer thread waits for the CPU: seen 1.3 ms late in a clean-clone run).
     write, awaited = one[Span.WRITE], one[Span.AWAIT_KV]
-    assert t(write, "startTimeUnixNano") <= t(awaited, "endTimeUnixNano"), \
+    assert t(write, "startTimeUnixNano") <= t(awaited, "endTimeUnixNano"), (
         f"{what}: D counted the completion before P posted its WRITE"
-    assert t(write, "endTimeUnixNano") - t(awaited, "endTimeUnixNano") <= WRITE_DONE_LAG_NS, \
+    )
+    assert t(write, "endTimeUnixNano") - t(awaited, "endTimeUnixNano") <= WRITE_DONE_LAG_NS, (
         f"{what}: P saw its WRITE done long after D counted it"
+    )
     first = [e for e in root.get("events", ()) if e["name"] == Event.FIRST_CHUNK.value]
     assert len(first) == 1, f"{what}: no first_chunk event on the request span"
-    assert t(one[Span.FIRST_TOKEN], "endTimeUnixNano") <= int(first[0]["timeUnixNano"]), \
+    assert t(one[Span.FIRST_TOKEN], "endTimeUnixNano") <= int(first[0]["timeUnixNano"]), (
         f"{what}: the client got a token before D's engine produced it"
+    )
     ra = attrs(root)
     assert ra[Attr.MODE.value] == "push" and float(ra[Attr.TTFT_MS.value]) > 0, ra
     tid = attrs(one[Span.WRITE])[Attr.TRANSFER_ID.value]
-    for name in (Span.PREFILL, Span.RENDEZVOUS_WAIT, Span.REGISTER, Span.AWAIT_KV, Span.FIRST_TOKEN):
+    for name in (
+        Span.PREFILL,
+        Span.RENDEZVOUS_WAIT,
+        Span.REGISTER,
+        Span.AWAIT_KV,
+        Span.FIRST_TOKEN,
+    ):
         assert attrs(one[name])[Attr.TRANSFER_ID.value] == tid, (what, name)
     assert int(attrs(one[Span.WRITE])[Attr.BYTES.value]) > 0
     assert int(attrs(one[Span.AWAIT_KV])[Attr.P_RANKS.value]) == 1
@@ -146,8 +188,12 @@ def traceparent() -> tuple[str, str, str]:
 
 
 def test_every_request_is_one_trace_across_router_p_and_d(pd: Pd) -> None:
-    cases = [("/v1/completions", False, 20), ("/v1/completions", True, 300),
-             ("/v1/chat/completions", False, 129), ("/v1/chat/completions", True, 600)]
+    cases = [
+        ("/v1/completions", False, 20),
+        ("/v1/completions", True, 300),
+        ("/v1/chat/completions", False, 129),
+        ("/v1/chat/completions", True, 600),
+    ]
     sent: dict[str, tuple[str, str]] = {}
     for i, (path, stream, n) in enumerate(cases):
         trace_id, span_id, header = traceparent()
@@ -178,8 +224,11 @@ def test_failed_transfer_ends_d_spans_in_error(pd: Pd) -> None:
     ghost = {"engine_id": "ghost", "host": "127.0.0.1", "port": free_port(), "tp_size": 1}
     leg = decode_leg(ghost, uuid.uuid4().hex, traceparent=header)
     bound_s = float(pd.stack.decode_extra_config["dial_timeout_s"]) + 30
-    r = pd.decode.post("/v1/completions", timeout=bound_s,
-                       json=greedy_body(random_prompt(64, seed=77), kv_transfer_params=leg))
+    r = pd.decode.post(
+        "/v1/completions",
+        timeout=bound_s,
+        json=greedy_body(random_prompt(64, seed=77), kv_transfer_params=leg),
+    )
     assert r.status_code == 200, r.text  # computed locally (recompute policy)
     got = wait_for_spans(pd.stack.run_dir, {trace_id: 2})[trace_id]
     by_name = {s["name"]: s for s in got}
@@ -194,48 +243,62 @@ def test_failed_transfer_ends_d_spans_in_error(pd: Pd) -> None:
 def test_router_exports_over_otlp_http_to_a_receiver(pd: Pd, tmp_path: Path) -> None:
     """A second router in front of the same P and D sends its spans over OTLP/HTTP to
     ``pushkv collect``; the trace found there is the one P and D wrote to their files."""
-    from connector.pdstack import RouterProcess
+    from connector.tools.pdstack import RouterProcess
     from tests.collector_proc import running_collector
 
     with running_collector(tmp_path / "collector") as c:
-        router = RouterProcess(pd.stack.prefill.url, pd.stack.decode.url, free_port(),
-                               log_path=tmp_path / "router-otlp.log",
-                               env={"OTEL_EXPORTER_OTLP_ENDPOINT": c.url,
-                                    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-                                    "OTEL_SERVICE_NAME": "pushkv-router-otlp"})
+        router = RouterProcess(
+            pd.stack.prefill.url,
+            pd.stack.decode.url,
+            free_port(),
+            log_path=tmp_path / "router-otlp.log",
+            env={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": c.url,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_SERVICE_NAME": "pushkv-router-otlp",
+            },
+        )
         router.start()
         try:
             router.wait_healthy(60.0)
             trace_id, span_id, header = traceparent()
             import httpx
 
-            r = httpx.post(f"{router.url}/v1/completions", timeout=120.0, trust_env=False,
-                           json=greedy_body(random_prompt(200, seed=91), max_tokens=4),
-                           headers={"traceparent": header})
+            r = httpx.post(
+                f"{router.url}/v1/completions",
+                timeout=120.0,
+                trust_env=False,
+                json=greedy_body(random_prompt(200, seed=91), max_tokens=4),
+                headers={"traceparent": header},
+            )
             assert r.status_code == 200, r.text
         finally:
             router.stop()  # at once: its spans must be flushed on the way out
         got = wait_for_spans(c.run_dir, {trace_id: 5})[trace_id]
     names = sorted(s["name"] for s in got)
-    assert names == sorted(n.value for n in (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG,
-                                               Span.DECODE_LEG, Span.FIRST_BYTE)), names
+    assert names == sorted(
+        n.value
+        for n in (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE)
+    ), names
     assert {s["service"] for s in got} == {"pushkv-router-otlp"}
     root = next(s for s in got if s["name"] == Span.REQUEST.value)
     assert root["parentSpanId"] == span_id
     engine = wait_for_spans(pd.stack.run_dir, {trace_id: len(PUSH_SPANS) - 5})[trace_id]
     legs = {s["spanId"]: s["name"] for s in got}
     for s in engine:
-        assert legs.get(s["parentSpanId"]) in (Span.PREFILL_LEG.value, Span.DECODE_LEG.value), \
+        assert legs.get(s["parentSpanId"]) in (Span.PREFILL_LEG.value, Span.DECODE_LEG.value), (
             f"{s['name']} in P/D's files does not hang under the OTLP router's legs"
+        )
 
 
-def test_spans_are_written_when_the_stack_stops_right_after(tiny_model: Path,
-                                                           tmp_path: Path) -> None:
+def test_spans_are_written_when_the_stack_stops_right_after(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     """Stop P, D and the router the moment the answers are in: every span is in the files
     (vLLM's processes and uvicorn end by signals, where atexit handlers never run)."""
-    from connector.pdstack import PdStack
-
     import httpx
+
+    from connector.tools.pdstack import PdStack
 
     stack = PdStack(tiny_model, tmp_path / "stack")
     sent: dict[str, tuple[str, str]] = {}
@@ -243,9 +306,13 @@ def test_spans_are_written_when_the_stack_stops_right_after(tiny_model: Path,
     try:
         for i in range(3):
             trace_id, span_id, header = traceparent()
-            r = httpx.post(f"{stack.url}/v1/completions", timeout=120.0, trust_env=False,
-                           headers={"traceparent": header},
-                           json=greedy_body(random_prompt(100, seed=300 + i), max_tokens=4))
+            r = httpx.post(
+                f"{stack.url}/v1/completions",
+                timeout=120.0,
+                trust_env=False,
+                headers={"traceparent": header},
+                json=greedy_body(random_prompt(100, seed=300 + i), max_tokens=4),
+            )
             assert r.status_code == 200, r.text
             sent[trace_id] = (span_id, f"request {i}")
     finally:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from connector.ports import free_port
+from connector.transport.ports import free_port
 
 # Loopback only; tcp must be present (UCX's "peer" error mode needs a transport that can
 # detect a dead peer). Children inherit this environment at spawn.
@@ -27,8 +27,9 @@ def peers() -> Iterator[Callable[..., PeerProcess]]:
     """Factory: ``peers(name, port=None, nbytes=1 MiB, wait=True)`` -> a started child."""
     started: list[PeerProcess] = []
 
-    def start(name: str, port: int | None = None, nbytes: int = 1 << 20,
-              wait: bool = True) -> PeerProcess:
+    def start(
+        name: str, port: int | None = None, nbytes: int = 1 << 20, wait: bool = True
+    ) -> PeerProcess:
         peer = PeerProcess(name, port or free_port(), nbytes)
         started.append(peer)
         return peer.wait_ready() if wait else peer

@@ -37,7 +37,7 @@ def peer_main(conn: Connection, name: str, port: int, nbytes: int) -> None:
     def pump() -> None:
         for sender, msg in t.get_notifs():
             if echo_prefix is not None and msg.startswith(echo_prefix):
-                t.send_notif(sender, b"PONG" + msg[len(echo_prefix):])
+                t.send_notif(sender, b"PONG" + msg[len(echo_prefix) :])
             else:
                 seen.append((sender, msg))
 
@@ -49,8 +49,9 @@ def peer_main(conn: Connection, name: str, port: int, nbytes: int) -> None:
         seen.clear()
         return out
 
-    def write(peer: str, src: list[list[int]], dst: list[list[int]], notif: bytes,
-              timeout_s: float) -> float:
+    def write(
+        peer: str, src: list[list[int]], dst: list[list[int]], notif: bytes, timeout_s: float
+    ) -> float:
         h = t.write(peer, np.array(src, dtype=np.uint64), np.array(dst, dtype=np.uint64), notif)
         deadline = time.monotonic() + timeout_s
         try:
@@ -78,7 +79,7 @@ def peer_main(conn: Connection, name: str, port: int, nbytes: int) -> None:
         "connect": t.connect,
         "send_notif": t.send_notif,
         "wait_notifs": wait_notifs,
-        "read": lambda off, n: bytes(buf[off:off + n]),
+        "read": lambda off, n: bytes(buf[off : off + n]),
         "fill": fill,
         "write": write,
         "echo": set_echo,
@@ -116,23 +117,34 @@ class PeerProcess:
         ctx = mp.get_context("spawn")
         self.name, self.port, self.nbytes = name, port, nbytes
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_main, args=(child, name, port, nbytes),
-                                name=f"nixl-peer-{name}", daemon=True)
+        self.proc = ctx.Process(
+            target=peer_main,
+            args=(child, name, port, nbytes),
+            name=f"nixl-peer-{name}",
+            daemon=True,
+        )
         self.proc.start()
         child.close()
         self.addr = 0
 
     def wait_ready(self, timeout_s: float = 60.0) -> PeerProcess:
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"peer {self.name} not ready after {timeout_s}s "
-                               f"(alive={self.proc.is_alive()}, rc={self.proc.exitcode})")
+            raise TimeoutError(
+                f"peer {self.name} not ready after {timeout_s}s "
+                f"(alive={self.proc.is_alive()}, rc={self.proc.exitcode})"
+            )
         tag, info = self._conn.recv()
         assert tag == "ready", tag
         self.addr = info["addr"]
         return self
 
-    def call(self, cmd: str, *args: Any, timeout_s: float = 30.0,
-             pump: Callable[[], object] | None = None) -> Any:
+    def call(
+        self,
+        cmd: str,
+        *args: Any,
+        timeout_s: float = 30.0,
+        pump: Callable[[], object] | None = None,
+    ) -> Any:
         """Run ``cmd`` in the child. ``pump`` is called while we wait: a local transport
         must keep driving UCX progress, or what it queued (notifications sent before the
         endpoint was wired up) never leaves this process."""

@@ -23,14 +23,20 @@ def lines(path: Path) -> list[dict]:
 
 
 def spans_of(records: list[dict]) -> list[dict]:
-    return [sp for r in records for rs in r["resourceSpans"] for ss in rs["scopeSpans"]
-            for sp in ss["spans"]]
+    return [
+        sp
+        for r in records
+        for rs in r["resourceSpans"]
+        for ss in rs["scopeSpans"]
+        for sp in ss["spans"]
+    ]
 
 
 def send_spans(url: str, compression: Compression) -> tuple[str, list[str]]:
     provider = TracerProvider(resource=Resource.create({"service.name": "collector-test"}))
-    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(
-        endpoint=f"{url}/v1/traces", compression=compression)))
+    provider.add_span_processor(
+        SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{url}/v1/traces", compression=compression))
+    )
     tracer = provider.get_tracer("t")
     with tracer.start_as_current_span("parent") as parent:
         with tracer.start_as_current_span("child", attributes={"k": 7}):
@@ -57,17 +63,23 @@ def test_sdk_exports_arrive_as_otlp_json_lines(tmp_path: Path) -> None:
 def test_bad_bodies_are_rejected_and_write_nothing(tmp_path: Path) -> None:
     with running_collector(tmp_path) as c:
         url = f"{c.url}/v1/traces"
-        bad = [({"content-type": "application/x-protobuf"}, b"\xff\xff\xff not protobuf"),
-               ({"content-type": "application/json"}, b"{nope"),
-               ({"content-type": "application/json"}, b'{"resourceSpans": 3}'),
-               ({"content-type": "text/plain"}, b"hello"),
-               ({"content-type": "application/json", "content-encoding": "gzip"}, b"not gz")]
+        bad = [
+            ({"content-type": "application/x-protobuf"}, b"\xff\xff\xff not protobuf"),
+            ({"content-type": "application/json"}, b"{nope"),
+            ({"content-type": "application/json"}, b'{"resourceSpans": 3}'),
+            ({"content-type": "text/plain"}, b"hello"),
+            ({"content-type": "application/json", "content-encoding": "gzip"}, b"not gz"),
+        ]
         for headers, body in bad:
             r = httpx.post(url, content=body, headers=headers, trust_env=False)
             assert r.status_code == 400, (headers, body, r.text)
             assert r.json()["message"]
-        ok = httpx.post(url, content=gzip.compress(b'{"resourceSpans": []}'), trust_env=False,
-                        headers={"content-type": "application/json", "content-encoding": "gzip"})
+        ok = httpx.post(
+            url,
+            content=gzip.compress(b'{"resourceSpans": []}'),
+            trust_env=False,
+            headers={"content-type": "application/json", "content-encoding": "gzip"},
+        )
         assert ok.status_code == 200
         health = c.health()
         assert health["rejected"] == len(bad) and health["exports"] == 1 and health["spans"] == 0

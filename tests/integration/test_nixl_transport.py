@@ -63,8 +63,9 @@ def pieces(base: int, idx: list[int]) -> np.ndarray:
     return np.array([[base + i * PIECE, PIECE, 0] for i in idx], dtype=np.uint64)
 
 
-def source(local_transport: Callable[..., Transport], nbytes: int,
-           name: str = "prefill") -> tuple[Transport, np.ndarray]:
+def source(
+    local_transport: Callable[..., Transport], nbytes: int, name: str = "prefill"
+) -> tuple[Transport, np.ndarray]:
     t = local_transport(name)
     buf = np.random.default_rng(0).integers(1, 256, nbytes, dtype=np.uint8)
     t.register_memory([(buf.ctypes.data, buf.nbytes)])
@@ -75,11 +76,17 @@ def source(local_transport: Callable[..., Transport], nbytes: int,
 
 
 def test_module_imports_without_loading_nixl() -> None:
-    code = ("import sys, connector.transport.nixl, connector.transport.fake;"
-            "bad=[m for m in sys.modules if m.split('.')[0] in "
-            "('nixl','nixl_cu12','nixl_cu13','torch')]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
-                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    code = (
+        "import sys, connector.transport.nixl, connector.transport.fake;"
+        "bad=[m for m in sys.modules if m.split('.')[0] in "
+        "('nixl','nixl_cu12','nixl_cu13','torch')]; assert not bad, bad"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
 
 
 def test_missing_wheel_is_a_transport_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,8 +99,12 @@ def test_missing_wheel_is_a_transport_error(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_nixl_exceptions_map_onto_ours() -> None:
     b = API.nixlBind
-    cases = [(b.nixlRemoteDisconnectError, PeerDisconnected), (b.nixlNotFoundError, PeerUnknown),
-             (b.nixlBackendError, TransportError), (b.nixlInvalidParamError, TransportError)]
+    cases = [
+        (b.nixlRemoteDisconnectError, PeerDisconnected),
+        (b.nixlNotFoundError, PeerUnknown),
+        (b.nixlBackendError, TransportError),
+        (b.nixlInvalidParamError, TransportError),
+    ]
     for nixl_cls, ours in cases:
         err = map_nixl_error(nixl_cls("boom"), "post write", "decode")
         assert type(err) is ours and "post write" in str(err) and "'decode'" in str(err)
@@ -102,16 +113,16 @@ def test_nixl_exceptions_map_onto_ours() -> None:
 # -- (a) connect both ways, scattered WRITE + notification, bytes verified ------------
 
 
-def test_scattered_write_with_notification(local_transport: Callable[..., Transport],
-                                           peers: Callable[..., PeerProcess]) -> None:
+def test_scattered_write_with_notification(
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     d = peers("decode", nbytes=16 * PIECE)
     p, src = source(local_transport, 12 * PIECE)
     assert isinstance(p, Transport)
     p.connect("decode", "127.0.0.1", d.port, timeout_s=CONNECT_S)
     d.call("connect", "prefill", *p.listen_address, CONNECT_S)
     src_i, dst_i = [0, 3, 4, 5, 9, 2, 10], [7, 1, 2, 3, 0, 11, 15]
-    h = p.write("decode", pieces(src.ctypes.data, src_i), pieces(d.addr, dst_i),
-                b"KV_DONE:t1")
+    h = p.write("decode", pieces(src.ctypes.data, src_i), pieces(d.addr, dst_i), b"KV_DONE:t1")
     assert (h.bytes_total, h.descs_total) == (len(src_i) * PIECE, len(src_i))
     wait_write(p, h)
     p.release(h)
@@ -119,13 +130,14 @@ def test_scattered_write_with_notification(local_transport: Callable[..., Transp
     assert d.call("wait_notifs", 1, 10.0) == [("prefill", b"KV_DONE:t1")]
     dst = np.frombuffer(d.call("read", 0, 16 * PIECE), dtype=np.uint8)
     for s, t in zip(src_i, dst_i, strict=True):
-        assert np.array_equal(dst[t * PIECE:(t + 1) * PIECE], src[s * PIECE:(s + 1) * PIECE])
+        assert np.array_equal(dst[t * PIECE : (t + 1) * PIECE], src[s * PIECE : (s + 1) * PIECE])
     for t in set(range(16)) - set(dst_i):
-        assert not dst[t * PIECE:(t + 1) * PIECE].any(), f"slot {t} was touched"
+        assert not dst[t * PIECE : (t + 1) * PIECE].any(), f"slot {t} was touched"
 
 
 def test_write_outside_registered_memory_and_bad_shapes(
-        local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]) -> None:
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     d = peers("decode", nbytes=4 * PIECE)
     p, src = source(local_transport, 4 * PIECE)
     p.connect("decode", "127.0.0.1", d.port, timeout_s=CONNECT_S)
@@ -141,8 +153,9 @@ def test_write_outside_registered_memory_and_bad_shapes(
 # -- (b) notifications both ways ------------------------------------------------------
 
 
-def test_notifications_both_directions_in_order(local_transport: Callable[..., Transport],
-                                                peers: Callable[..., PeerProcess]) -> None:
+def test_notifications_both_directions_in_order(
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     d = peers("decode")
     p = local_transport("prefill")
     p.connect("decode", "127.0.0.1", d.port, timeout_s=CONNECT_S)
@@ -174,8 +187,9 @@ def expect_failure_soon(fn: Callable[[], object], what: str) -> tuple[TransportE
     raise AssertionError(f"{what}: no TransportError within {FAIL_DETECT_S}s")
 
 
-def test_target_killed_before_write(local_transport: Callable[..., Transport],
-                                    peers: Callable[..., PeerProcess]) -> None:
+def test_target_killed_before_write(
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     d = peers("decode", nbytes=8 * PIECE)
     p, src = source(local_transport, 8 * PIECE)
     p.connect("decode", "127.0.0.1", d.port, timeout_s=CONNECT_S)
@@ -197,8 +211,9 @@ def test_target_killed_before_write(local_transport: Callable[..., Transport],
     assert isinstance(exc, PeerDisconnected), repr(exc)
 
 
-def test_target_killed_during_write(local_transport: Callable[..., Transport],
-                                    peers: Callable[..., PeerProcess]) -> None:
+def test_target_killed_during_write(
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     n = 8192  # 128 MiB in 16 KiB pieces, reversed so NIXL cannot merge them
     d = peers("decode", nbytes=n * PIECE)
     p, src = source(local_transport, n * PIECE)
@@ -239,7 +254,8 @@ def test_target_killed_during_write(local_transport: Callable[..., Transport],
 
 
 def test_restarted_target_needs_remove_then_reconnect(
-        local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]) -> None:
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     d = peers("decode", nbytes=4 * PIECE)
     p, src = source(local_transport, 4 * PIECE)
     p.connect("decode", "127.0.0.1", d.port, timeout_s=CONNECT_S)
@@ -247,8 +263,11 @@ def test_restarted_target_needs_remove_then_reconnect(
     d.kill()
     d2 = peers("decode", port=port, nbytes=4 * PIECE)  # same name, same port, new process
     exc, _ = expect_failure_soon(
-        lambda: wait_write(p, p.write("decode", pieces(src.ctypes.data, [0]),
-                                      pieces(d2.addr, [0]), b"x")), "stale metadata")
+        lambda: wait_write(
+            p, p.write("decode", pieces(src.ctypes.data, [0]), pieces(d2.addr, [0]), b"x")
+        ),
+        "stale metadata",
+    )
     assert isinstance(exc, TransportError)
     p.remove_peer("decode")
     p.connect("decode", "127.0.0.1", port, timeout_s=CONNECT_S)
@@ -257,7 +276,7 @@ def test_restarted_target_needs_remove_then_reconnect(
     p.release(h)
     assert d2.call("wait_notifs", 1, 10.0) == [("prefill", b"again")]
     got = np.frombuffer(d2.call("read", PIECE, PIECE), dtype=np.uint8)
-    assert np.array_equal(got, src[2 * PIECE:3 * PIECE])
+    assert np.array_equal(got, src[2 * PIECE : 3 * PIECE])
 
 
 # -- (d) nobody listens ----------------------------------------------------------------
@@ -277,8 +296,9 @@ def test_connect_to_a_dead_port_is_unreachable(local_transport: Callable[..., Tr
 # -- (e) the listener comes up late ----------------------------------------------------
 
 
-def test_connect_retries_until_a_late_listener(local_transport: Callable[..., Transport],
-                                               peers: Callable[..., PeerProcess]) -> None:
+def test_connect_retries_until_a_late_listener(
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     p = local_transport("prefill")
     port = free_port()
     result: dict[str, object] = {}
@@ -304,8 +324,9 @@ def test_connect_retries_until_a_late_listener(local_transport: Callable[..., Tr
     assert p.peer_ready("decode")
 
 
-def test_poll_peer_loop_with_a_late_listener(local_transport: Callable[..., Transport],
-                                             peers: Callable[..., PeerProcess]) -> None:
+def test_poll_peer_loop_with_a_late_listener(
+    local_transport: Callable[..., Transport], peers: Callable[..., PeerProcess]
+) -> None:
     p, src = source(local_transport, PIECE)
     port = free_port()
     p.request_peer("decode", "127.0.0.1", port, retry_interval_s=0.05)
@@ -325,7 +346,8 @@ def test_poll_peer_loop_with_a_late_listener(local_transport: Callable[..., Tran
 
 
 def test_close_is_idempotent_and_later_calls_raise(
-        local_transport: Callable[..., Transport]) -> None:
+    local_transport: Callable[..., Transport],
+) -> None:
     p = local_transport("prefill")
     p.close()
     p.close()

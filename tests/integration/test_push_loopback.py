@@ -15,8 +15,8 @@ import pytest
 
 from connector.core import events as ev
 from connector.core.state import ReceiverPolicy, SenderPolicy
-from connector.loopback import RankProcess, RankSpec, expected_event
-from connector.stack import free_port
+from connector.tools.loopback import RankProcess, RankSpec, expected_event
+from connector.tools.stack import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -38,8 +38,15 @@ def cluster() -> Iterator[Callable[..., RankProcess]]:
     assert not any(p.proc.is_alive() for p in started)
 
 
-def reference(d: RankSpec, ps: list[RankSpec], p_bufs: list[np.ndarray], p_blocks: tuple[int, ...],
-              d_blocks: tuple[int, ...], num_tokens: int, first_token: int = 0) -> np.ndarray:
+def reference(
+    d: RankSpec,
+    ps: list[RankSpec],
+    p_bufs: list[np.ndarray],
+    p_blocks: tuple[int, ...],
+    d_blocks: tuple[int, ...],
+    num_tokens: int,
+    first_token: int = 0,
+) -> np.ndarray:
     """What D's buffer must hold: element by element, from the lowest P rank with the head."""
     out = np.zeros(d.shape(), dtype=np.uint8)
     for t in range(first_token, num_tokens):
@@ -57,9 +64,17 @@ def reference(d: RankSpec, ps: list[RankSpec], p_bufs: list[np.ndarray], p_block
     return out
 
 
-def run_transfer(p_ranks: list[RankProcess], d_ranks: list[RankProcess], *, tid: str,
-                 p_blocks: tuple[int, ...], d_blocks: tuple[int, ...], num_tokens: int,
-                 first_token: int = 0, registration_first: bool = True) -> None:
+def run_transfer(
+    p_ranks: list[RankProcess],
+    d_ranks: list[RankProcess],
+    *,
+    tid: str,
+    p_blocks: tuple[int, ...],
+    d_blocks: tuple[int, ...],
+    num_tokens: int,
+    first_token: int = 0,
+    registration_first: bool = True,
+) -> None:
     p_specs = [p.spec for p in p_ranks]
     prefill = ev.PrefillDone(tid, f"preq-{tid}", (p_blocks,), num_tokens)
 
@@ -91,11 +106,15 @@ def check_bytes(p_ranks: list[RankProcess], d_ranks: list[RankProcess], **kw: ob
     for d in d_ranks:
         got, want = d.read(), reference(d.spec, p_specs, p_bufs, **kw)  # type: ignore[arg-type]
         bad = np.argwhere(got != want)
-        assert bad.size == 0, f"{d.spec.agent}: {len(bad)} bytes differ, first at {bad[:3].tolist()}"
+        assert bad.size == 0, (
+            f"{d.spec.agent}: {len(bad)} bytes differ, first at {bad[:3].tolist()}"
+        )
         assert np.count_nonzero(want) > 0
 
 
-@pytest.mark.parametrize("registration_first", [True, False], ids=["register-first", "prefill-first"])
+@pytest.mark.parametrize(
+    "registration_first", [True, False], ids=["register-first", "prefill-first"]
+)
 def test_one_p_into_one_d(cluster: Callable[..., RankProcess], registration_first: bool) -> None:
     p, d = cluster("P", "prefill"), cluster("D", "decode")
     blocks = dict(p_blocks=(1, 2, 3, 9), d_blocks=(7, 3, 12, 5), num_tokens=60)
@@ -105,7 +124,9 @@ def test_one_p_into_one_d(cluster: Callable[..., RankProcess], registration_firs
     more = dict(p_blocks=(20, 21), d_blocks=(30, 31), num_tokens=32)
     run_transfer([p], [d], tid="t-2", registration_first=not registration_first, **more)
     p_buf, d_buf = p.read(), d.read()
-    want = reference(d.spec, [p.spec], [p_buf], **blocks) + reference(d.spec, [p.spec], [p_buf], **more)
+    want = reference(d.spec, [p.spec], [p_buf], **blocks) + reference(
+        d.spec, [p.spec], [p_buf], **more
+    )
     assert np.array_equal(d_buf, want)
     (report,) = [r for r in p.reports if r.transfer_id == "t-2"]
     assert report.ok and report.bytes_total == 2 * 32 * 4 * 64 and report.descriptors == 2
@@ -128,7 +149,9 @@ def test_one_p_rank_into_two_d_ranks(cluster: Callable[..., RankProcess]) -> Non
 
 
 @pytest.mark.parametrize("p_bs, d_bs", [(16, 32), (32, 16)])
-def test_block_sizes_differ_and_prefix_hit(cluster: Callable[..., RankProcess], p_bs: int, d_bs: int) -> None:
+def test_block_sizes_differ_and_prefix_hit(
+    cluster: Callable[..., RankProcess], p_bs: int, d_bs: int
+) -> None:
     p = cluster("P", "prefill", block_size=p_bs)
     d = cluster("D", "decode", block_size=d_bs, order="NHD")
     n = 100
@@ -167,8 +190,13 @@ def test_decode_killed_during_a_large_write(cluster: Callable[..., RankProcess])
 
 def test_prefill_killed_gives_decode_a_failure(cluster: Callable[..., RankProcess]) -> None:
     p = cluster("P", "prefill")
-    d = cluster("D", "decode", recv_policy=ReceiverPolicy(
-        timeout_ns=3_000 * MS, grace_ns=1_000 * MS, heartbeat_interval_ns=200 * MS))
+    d = cluster(
+        "D",
+        "decode",
+        recv_policy=ReceiverPolicy(
+            timeout_ns=3_000 * MS, grace_ns=1_000 * MS, heartbeat_interval_ns=200 * MS
+        ),
+    )
     d.submit(expected_event("dead-p", [p.spec], d.spec, (1, 2), 32))
     p.wait("registration", lambda r: r.call("counters")[3] >= 1, timeout_s=10)
     p.kill()
@@ -177,9 +205,13 @@ def test_prefill_killed_gives_decode_a_failure(cluster: Callable[..., RankProces
     assert not got.ok
 
 
-def test_registration_for_a_prefill_that_never_comes_expires(cluster: Callable[..., RankProcess]) -> None:
+def test_registration_for_a_prefill_that_never_comes_expires(
+    cluster: Callable[..., RankProcess],
+) -> None:
     p = cluster("P", "prefill")
-    d = cluster("D", "decode", recv_policy=ReceiverPolicy(timeout_ns=1_500 * MS, grace_ns=1_000 * MS))
+    d = cluster(
+        "D", "decode", recv_policy=ReceiverPolicy(timeout_ns=1_500 * MS, grace_ns=1_000 * MS)
+    )
     d.submit(expected_event("orphan", [p.spec], d.spec, (1, 2), 32))
     d.wait("an outcome", lambda r: bool(r.received), timeout_s=15)
     assert not d.received[0].ok
@@ -210,16 +242,27 @@ def test_idle_pair_uses_under_5_percent_of_a_core(cluster: Callable[..., RankPro
         assert share < 0.05, f"{x.spec.agent} used {share:.1%} of a core while idle"
 
 
-@pytest.mark.parametrize("p_bell, d_bell", [(True, True), (True, False), (False, True)],
-                         ids=["both", "d-without", "p-without"])
+@pytest.mark.parametrize(
+    "p_bell, d_bell",
+    [(True, True), (True, False), (False, True)],
+    ids=["both", "d-without", "p-without"],
+)
 def test_doorbells_wake_both_sides_and_a_peer_without_one_is_only_slower(
-        cluster: Callable[..., RankProcess], p_bell: bool, d_bell: bool) -> None:
+    cluster: Callable[..., RankProcess], p_bell: bool, d_bell: bool
+) -> None:
     p, d = cluster("P", "prefill", doorbell=p_bell), cluster("D", "decode", doorbell=d_bell)
     blocks = dict(p_blocks=(1, 2), d_blocks=(7, 3), num_tokens=32)
     run_transfer([p], [d], tid="bell-0", **blocks)
     check_bytes([p], [d], **blocks)
-    run_transfer([p], [d], tid="bell-1", registration_first=False, p_blocks=(5, 6),
-                 d_blocks=(17, 13), num_tokens=32)
+    run_transfer(
+        [p],
+        [d],
+        tid="bell-1",
+        registration_first=False,
+        p_blocks=(5, 6),
+        d_blocks=(17, 13),
+        num_tokens=32,
+    )
     p_heard = p.call("counters")[0].get("bell_heard", 0)
     d_heard = d.call("counters")[0].get("bell_heard", 0)
     # D's registrations ring P; P rings D when it posts a WRITE.

@@ -21,15 +21,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import free_port  # noqa: E402
+from nixl_peers import PeerError, PeerProcess  # noqa: E402
 
 from connector.core.errors import PeerUnreachable, TransportError
 from connector.transport.base import WriteHandle
 from connector.transport.nixl import NixlTransport, load_nixl_api  # nixl itself: lazily
-from connector.transport.sidechannel import (HEADER, KIND_EXCHANGE, KIND_REPLY, MAGIC, VERSION,
-                                             FrameReader, SideChannel, encode_frame)
-
-from conftest import free_port  # noqa: E402
-from nixl_peers import PeerError, PeerProcess  # noqa: E402
+from connector.transport.sidechannel import (
+    HEADER,
+    KIND_EXCHANGE,
+    KIND_REPLY,
+    MAGIC,
+    VERSION,
+    FrameReader,
+    SideChannel,
+    encode_frame,
+)
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -77,8 +84,9 @@ def our_listeners() -> list[tuple[str, int]]:
                     raw = bytes.fromhex(hex_ip)
                     # /proc prints each 32-bit word in host (little-endian) order.
                     fam = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-                    ip = socket.inet_ntop(fam, b"".join(raw[i:i + 4][::-1]
-                                                        for i in range(0, len(raw), 4)))
+                    ip = socket.inet_ntop(
+                        fam, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                    )
                     out.append((ip, int(hex_port, 16)))
     return out
 
@@ -105,8 +113,13 @@ def raw_exchange(addr: tuple[str, int], payload: bytes, timeout_s: float = 5.0) 
 def thread_cpu_s(name_prefix: str) -> float:
     """CPU time (s) of this process's threads whose name starts with ``name_prefix``."""
     tids = [t.native_id for t in threading.enumerate() if t.name.startswith(name_prefix)]
-    return sum(int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])  # ns
-               for tid in tids) / 1e9
+    return (
+        sum(
+            int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])  # ns
+            for tid in tids
+        )
+        / 1e9
+    )
 
 
 @pytest.fixture
@@ -127,7 +140,8 @@ def channel() -> Iterator[Callable[..., SideChannel]]:
 
 
 def test_binds_the_configured_host_only_and_port_0_is_real(
-        channel: Callable[..., SideChannel]) -> None:
+    channel: Callable[..., SideChannel],
+) -> None:
     before = set(our_listeners())
     sc = channel(port=0)
     host, port = sc.address
@@ -138,7 +152,10 @@ def test_binds_the_configured_host_only_and_port_0_is_real(
     sc.set_local_metadata(b"MD-srv")
     reply = FrameReader().feed(raw_exchange(sc.address, encode_frame(KIND_EXCHANGE, "cli", b"x")))
     assert reply is not None and (reply.kind, reply.name, reply.metadata) == (
-        KIND_REPLY, "srv", b"MD-srv")
+        KIND_REPLY,
+        "srv",
+        b"MD-srv",
+    )
     with pytest.raises(TransportError, match="cannot listen"):  # taken: ours, not a crash
         SideChannel("again", *sc.address)
     sc.close()
@@ -156,7 +173,8 @@ BAD_REQUESTS = {
 
 
 def test_bad_requests_are_dropped_counted_and_serving_goes_on(
-        channel: Callable[..., SideChannel]) -> None:
+    channel: Callable[..., SideChannel],
+) -> None:
     sc = channel()
     sc.set_local_metadata(b"MD")
     for reason, payload in BAD_REQUESTS.items():
@@ -174,7 +192,8 @@ def test_bad_requests_are_dropped_counted_and_serving_goes_on(
 
 
 def test_stalled_and_excess_clients_cannot_hold_the_server(
-        channel: Callable[..., SideChannel]) -> None:
+    channel: Callable[..., SideChannel],
+) -> None:
     sc = channel(connect_timeout_s=0.5, io_timeout_s=0.5, max_conns=2)  # 1 s per exchange
     idle = [socket.create_connection(sc.address, timeout=5.0) for _ in range(2)]
     try:
@@ -186,12 +205,15 @@ def test_stalled_and_excess_clients_cannot_hold_the_server(
     finally:
         for s in idle:
             s.close()
-    assert FrameReader().feed(raw_exchange(sc.address, encode_frame(KIND_EXCHANGE, "c", b""))
-                              ) is not None
+    assert (
+        FrameReader().feed(raw_exchange(sc.address, encode_frame(KIND_EXCHANGE, "c", b"")))
+        is not None
+    )
 
 
 def test_client_exchange_checks_the_peer_name_and_coalesces(
-        channel: Callable[..., SideChannel]) -> None:
+    channel: Callable[..., SideChannel],
+) -> None:
     srv, cli = channel("decode"), channel("prefill")
     srv.set_local_metadata(b"MD-decode")
     cli.set_local_metadata(b"MD-prefill")
@@ -262,7 +284,8 @@ def test_transport_listens_on_loopback_only_with_port_0() -> None:
 
 @needs_nixl
 def test_late_listener_connects_thanks_to_retries(
-        local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]) -> None:
+    local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]
+) -> None:
     p = local_transport("prefill")
     port = free_port()
     p.request_peer("decode", "127.0.0.1", port, retry_interval_s=0.05)
@@ -280,21 +303,27 @@ def test_late_listener_connects_thanks_to_retries(
 @needs_nixl
 @pytest.mark.parametrize("peer_kind", ["nobody", "black_hole", "wrong_name"])
 def test_unreachable_peer_fails_within_the_timeout(
-        local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess],
-        peer_kind: str) -> None:
+    local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess], peer_kind: str
+) -> None:
     p = local_transport("prefill")
     hole = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     try:
-        port = {"nobody": free_port, "black_hole": lambda: hole.getsockname()[1],
-                "wrong_name": lambda: peers("other").port}[peer_kind]()
+        port = {
+            "nobody": free_port,
+            "black_hole": lambda: hole.getsockname()[1],
+            "wrong_name": lambda: peers("other").port,
+        }[peer_kind]()
         start = time.monotonic()
         with pytest.raises(PeerUnreachable, match="decode") as info:
             p.connect("decode", "127.0.0.1", port, timeout_s=1.0)
         took = time.monotonic() - start
         print(f"{peer_kind}: PeerUnreachable after {took * 1e3:.0f} ms: {info.value}")
         assert 1.0 <= took < 3.0, took  # never waits on the dial in flight
-        assert {"nobody": "ConnectionRefusedError", "black_hole": "in flight",
-                "wrong_name": "answered as 'other'"}[peer_kind] in str(info.value)
+        assert {
+            "nobody": "ConnectionRefusedError",
+            "black_hole": "in flight",
+            "wrong_name": "answered as 'other'",
+        }[peer_kind] in str(info.value)
     finally:
         hole.close()
 
@@ -302,15 +331,14 @@ def test_unreachable_peer_fails_within_the_timeout(
 @needs_nixl
 @pytest.mark.parametrize("who_dials", ["restarted_peer", "we"])
 def test_peer_restarted_under_the_same_name_is_reloaded(
-        local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess],
-        who_dials: str) -> None:
+    local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess], who_dials: str
+) -> None:
     p = local_transport("prefill")
     src = np.random.default_rng(1).integers(1, 256, 4 * PIECE, dtype=np.uint8)
     p.register_memory([(src.ctypes.data, src.nbytes)])
     d = peers("decode", nbytes=4 * PIECE)
     p.connect("decode", "127.0.0.1", d.port, timeout_s=CONNECT_S)
-    wait_write(p, p.write("decode", pieces(src.ctypes.data, [0]),
-                          pieces(d.addr, [0]), b"one"))
+    wait_write(p, p.write("decode", pieces(src.ctypes.data, [0]), pieces(d.addr, [0]), b"one"))
     port = d.port
     d.kill()
     d2 = peers("decode", port=port, nbytes=4 * PIECE)  # same name and port, new process
@@ -318,23 +346,24 @@ def test_peer_restarted_under_the_same_name_is_reloaded(
         p.request_peer("decode", "127.0.0.1", port)
     else:
         d2.call("connect", "prefill", *p.listen_address, CONNECT_S)
+
     # No remove_peer: the next drain sees new metadata under the same name and reloads.
     def reloaded() -> bool:
         p.progress()  # the owner's drain is where the reload happens
         return p.counters["md_reloaded"] == 1
 
     wait_until(reloaded, CONNECT_S, "reload")
-    h = p.write("decode", pieces(src.ctypes.data, [2]), pieces(d2.addr, [1]),
-                b"again")
+    h = p.write("decode", pieces(src.ctypes.data, [2]), pieces(d2.addr, [1]), b"again")
     wait_write(p, h)
     assert d2.call("wait_notifs", 1, 10.0) == [("prefill", b"again")]
     got = np.frombuffer(d2.call("read", PIECE, PIECE), dtype=np.uint8)
-    assert np.array_equal(got, src[2 * PIECE:3 * PIECE])
+    assert np.array_equal(got, src[2 * PIECE : 3 * PIECE])
 
 
 @needs_nixl
 def test_metadata_refreshed_after_a_later_register_reaches_later_dials(
-        local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]) -> None:
+    local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]
+) -> None:
     p = local_transport("target")
     first = np.zeros(PIECE, dtype=np.uint8)
     p.register_memory([(first.ctypes.data, first.nbytes)])
@@ -346,8 +375,9 @@ def test_metadata_refreshed_after_a_later_register_reaches_later_dials(
     # A copy fetched before the second registration does not cover it ...
     early.call("fill", 5)
     with pytest.raises(PeerError) as info:
-        early.call("write", "target", pieces(early.addr, [0]).tolist(), dst, b"x", 10.0,
-                   pump=p.progress)
+        early.call(
+            "write", "target", pieces(early.addr, [0]).tolist(), dst, b"x", 10.0, pump=p.progress
+        )
     assert "registered memory" in str(info.value)
     # ... a dial made afterwards gets the refreshed metadata (fresh peer, or a re-dial).
     fresh = peers("fresh", nbytes=PIECE)
@@ -355,17 +385,25 @@ def test_metadata_refreshed_after_a_later_register_reaches_later_dials(
         writer.call("remove_peer", "target")
         writer.call("fill", 7 if writer is fresh else 5)
         writer.call("connect", "target", *p.listen_address, CONNECT_S)
-        writer.call("write", "target", pieces(writer.addr, [0]).tolist(), dst,
-                    writer.name.encode(), 10.0, pump=p.progress)
+        writer.call(
+            "write",
+            "target",
+            pieces(writer.addr, [0]).tolist(),
+            dst,
+            writer.name.encode(),
+            10.0,
+            pump=p.progress,
+        )
         got: list[tuple[str, bytes]] = []
-        wait_until(lambda: bool(got.extend(p.get_notifs()) or got), 10.0, "notification")
+        wait_until(lambda got=got: bool(got.extend(p.get_notifs()) or got), 10.0, "notification")
         assert got == [(writer.name, writer.name.encode())]
         assert np.array_equal(later, np.frombuffer(writer.call("read", 0, PIECE), np.uint8))
 
 
 @needs_nixl
 def test_a_peer_that_dialed_us_can_be_written_and_notified_back(
-        local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]) -> None:
+    local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]
+) -> None:
     p = local_transport("prefill")
     src = np.full(PIECE, 9, dtype=np.uint8)
     p.register_memory([(src.ctypes.data, src.nbytes)])
@@ -374,17 +412,19 @@ def test_a_peer_that_dialed_us_can_be_written_and_notified_back(
     # We never dialed it: its metadata came in on our server and is loaded on our thread.
     wait_until(lambda: p.peer_ready("decode"), 5.0, "dialer loaded")
     assert p.counters["md_loaded"] == 1
-    wait_write(p, p.write("decode", pieces(src.ctypes.data, [0]),
-                          pieces(d.addr, [0]), b"pushed"))
+    wait_write(p, p.write("decode", pieces(src.ctypes.data, [0]), pieces(d.addr, [0]), b"pushed"))
     p.send_notif("decode", b"hello")
     assert d.call("wait_notifs", 2, 10.0, pump=p.progress) == [
-        ("prefill", b"pushed"), ("prefill", b"hello")]
+        ("prefill", b"pushed"),
+        ("prefill", b"hello"),
+    ]
     assert (np.frombuffer(d.call("read", 0, PIECE), np.uint8) == 9).all()
 
 
 @needs_nixl
-def test_full_exchange_time_on_loopback(local_transport: Callable[..., NixlTransport],
-                                        peers: Callable[..., PeerProcess]) -> None:
+def test_full_exchange_time_on_loopback(
+    local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess]
+) -> None:
     p = local_transport("prefill")
     d = peers("decode")
     took: list[float] = []
@@ -395,6 +435,8 @@ def test_full_exchange_time_on_loopback(local_transport: Callable[..., NixlTrans
             assert time.monotonic() - start < CONNECT_S
         took.append(time.monotonic() - start)
         p.remove_peer("decode")
-    print(f"request_peer -> peer_ready: median {statistics.median(took) * 1e3:.2f} ms, "
-          f"min {min(took) * 1e3:.2f}, max {max(took) * 1e3:.2f} (20 exchanges)")
+    print(
+        f"request_peer -> peer_ready: median {statistics.median(took) * 1e3:.2f} ms, "
+        f"min {min(took) * 1e3:.2f}, max {max(took) * 1e3:.2f} (20 exchanges)"
+    )
     assert statistics.median(took) < 0.13  # NIXL's listener: 130-160 ms on an idle box

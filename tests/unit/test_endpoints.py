@@ -12,12 +12,12 @@ import pytest
 
 from connector.core import events as ev
 from connector.core import messages as m
-from connector.loopback import RankSpec, expected_event
-from connector.peers import Peers
-from connector.receiving import Receiver
-from connector.sending import Sender
-from connector.topology import RankInfo, Topology
-from connector.transfer_thread import TransferThread
+from connector.tools.loopback import RankSpec, expected_event
+from connector.transfer.peers import Peers
+from connector.transfer.receiver import Receiver
+from connector.transfer.sender import Sender
+from connector.transfer.thread import TransferThread
+from connector.transfer.topology import RankInfo, Topology
 from connector.transport.fake import FakeFabric
 
 MS = 1_000_000
@@ -38,16 +38,26 @@ class Pair:
         self.tp.register_memory(p_layout.memory_extents())
         self.td.register_memory(d_layout.memory_extents())
         self.reports: list = []
-        self.sender = Sender(self.tp, RankInfo("prefill", 0, 1, self.p_spec.addr), p_layout,
-                             Topology(4, 1), Peers(self.tp, dial_timeout_ns),
-                             on_write_finished=self.reports.append)
-        self.receiver = Receiver(RankInfo("decode", 0, 1, self.d_spec.addr), d_layout,
-                                 Peers(self.td, dial_timeout_ns), clock=lambda: self.now)
+        self.sender = Sender(
+            self.tp,
+            RankInfo("prefill", 0, 1, self.p_spec.addr),
+            p_layout,
+            Topology(4, 1),
+            Peers(self.tp, dial_timeout_ns),
+            on_write_finished=self.reports.append,
+        )
+        self.receiver = Receiver(
+            RankInfo("decode", 0, 1, self.d_spec.addr),
+            d_layout,
+            Peers(self.td, dial_timeout_ns),
+            clock=lambda: self.now,
+        )
         self.delta = d_num_tokens_delta
 
     def expect(self, tid: str, n: int, blocks: tuple[int, ...]) -> None:
-        self.receiver.on_event(expected_event(tid, [self.p_spec], self.d_spec, blocks, n + self.delta),
-                               self.now)
+        self.receiver.on_event(
+            expected_event(tid, [self.p_spec], self.d_spec, blocks, n + self.delta), self.now
+        )
 
     def pump(self, rounds: int = 20, dt_ns: int = MS) -> None:
         for _ in range(rounds):
@@ -101,7 +111,9 @@ def test_write_waits_for_the_compute_step() -> None:
     pair = Pair()
     done = {"v": False}
     pair.expect("t", 16, (4,))
-    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now, ready=lambda: done["v"])
+    pair.sender.on_event(
+        ev.PrefillDone("t", "preq", ((1,),), 16), pair.now, ready=lambda: done["v"]
+    )
     pair.pump()
     assert pair.fabric.posted == [] and pair.receiver.finished == []
     done["v"] = True
@@ -112,9 +124,18 @@ def test_write_waits_for_the_compute_step() -> None:
 def test_unreachable_decode_fails_the_dial_and_frees_blocks() -> None:
     pair = Pair()
     pair.fabric.set_unreachable(pair.d_spec.agent)
-    reg = m.Register(transfer_id="t", d_engine_id="decode", d_rank=0, d_tp_size=1,
-                     d_addr=pair.d_spec.addr, layout=pair.receiver.layout, block_ids=((1,),),
-                     first_token=0, num_tokens=16, ttl_ms=10_000)
+    reg = m.Register(
+        transfer_id="t",
+        d_engine_id="decode",
+        d_rank=0,
+        d_tp_size=1,
+        d_addr=pair.d_spec.addr,
+        layout=pair.receiver.layout,
+        block_ids=((1,),),
+        first_token=0,
+        num_tokens=16,
+        ttl_ms=10_000,
+    )
     pair.sender.on_message(pair.d_spec.agent, reg, pair.now)
     pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now)
     pair.pump(rounds=100)
@@ -124,22 +145,35 @@ def test_unreachable_decode_fails_the_dial_and_frees_blocks() -> None:
 
 def test_spoofed_sender_is_dropped() -> None:
     pair = Pair()
-    reg = m.Register(transfer_id="t", d_engine_id="decode", d_rank=0, d_tp_size=1,
-                     d_addr=pair.d_spec.addr, layout=pair.receiver.layout, block_ids=((1,),),
-                     first_token=0, num_tokens=16, ttl_ms=10_000)
+    reg = m.Register(
+        transfer_id="t",
+        d_engine_id="decode",
+        d_rank=0,
+        d_tp_size=1,
+        d_addr=pair.d_spec.addr,
+        layout=pair.receiver.layout,
+        block_ids=((1,),),
+        first_token=0,
+        num_tokens=16,
+        ttl_ms=10_000,
+    )
     pair.sender.on_message("someone-else", reg, pair.now)
     assert pair.sender.counters["sender_mismatch"] == 1 and len(pair.sender.table) == 0
     pair.receiver.on_event(expected_event("u", [pair.p_spec], pair.d_spec, (1,), 16), pair.now)
-    pair.receiver.on_message("someone-else", m.Completion(transfer_id="u", p_rank=0, p_tp_size=1),
-                             pair.now)
+    pair.receiver.on_message(
+        "someone-else", m.Completion(transfer_id="u", p_rank=0, p_tp_size=1), pair.now
+    )
     assert pair.receiver.counters["sender_mismatch"] == 1 and pair.receiver.finished == []
 
 
-@pytest.mark.parametrize("frame, counter", [
-    (b"PUSH_REG:whatever", "foreign_notifs"),
-    (m.MAGIC + b"\x93\x01", "malformed_notifs"),
-    (m.encode(m.Completion(transfer_id="x", p_rank=0, p_tp_size=1)), "misrouted_notifs"),
-])
+@pytest.mark.parametrize(
+    "frame, counter",
+    [
+        (b"PUSH_REG:whatever", "foreign_notifs"),
+        (m.MAGIC + b"\x93\x01", "malformed_notifs"),
+        (m.encode(m.Completion(transfer_id="x", p_rank=0, p_tp_size=1)), "misrouted_notifs"),
+    ],
+)
 def test_transfer_thread_drops_and_counts_bad_frames(frame: bytes, counter: str) -> None:
     pair = Pair()
     thread = TransferThread(pair.tp, pair.sender.peers, sender=pair.sender)  # not started

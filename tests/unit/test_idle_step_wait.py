@@ -10,7 +10,7 @@ from collections import Counter
 from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.metadata import StepPlan
-from connector.transfer_thread import TransferThread
+from connector.transfer.thread import TransferThread
 from connector.worker_side import WorkerSide
 from tests.unit.test_endpoints import Pair
 
@@ -25,7 +25,7 @@ def test_result_signal_is_set_when_a_result_is_ready_and_cleared_when_taken() ->
     d.start()
     try:
         assert not d.wait_for_results(0.01), "no transfer yet, no result"
-        from connector.loopback import expected_event
+        from connector.tools.loopback import expected_event
 
         d.submit(expected_event("t", [pair.p_spec], pair.d_spec, (1, 2), 32))
         assert d.transfers_pending
@@ -67,11 +67,12 @@ def worker(wait_s: float, pending: bool, idle: bool) -> tuple[WorkerSide, FakeTh
 
 
 def test_worker_waits_only_on_idle_steps_with_a_transfer_pending() -> None:
-    for wait_s, pending, idle, expect in ((0.005, True, True, [0.005]),
-                                          (0.005, True, False, []),   # a forward ran
-                                          (0.005, False, True, []),   # nothing to wait for
-                                          (0.0, True, True, [])):     # turned off
+    for wait_s, pending, idle, expect in (
+        (0.005, True, True, [0.005]),
+        (0.005, True, False, []),  # a forward ran
+        (0.005, False, True, []),  # nothing to wait for
+        (0.0, True, True, []),
+    ):  # turned off
         w, fake = worker(wait_s, pending, idle)
         assert w.take_results() == (set(), set(), set())
         assert fake.waits == expect, (wait_s, pending, idle)
-

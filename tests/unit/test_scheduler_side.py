@@ -9,8 +9,13 @@ from typing import Any
 from connector.metadata import Handshake
 from connector.scheduler_side import ReqState, SchedulerSide
 
-D_LEG = {"do_remote_prefill": True, "transfer_id": "t1", "remote_engine_id": "prefill",
-         "remote_host": "127.0.0.1", "remote_port": 5000}
+D_LEG = {
+    "do_remote_prefill": True,
+    "transfer_id": "t1",
+    "remote_engine_id": "prefill",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5000,
+}
 
 
 @dataclass
@@ -65,7 +70,9 @@ def test_push_starts_in_the_step_that_completes_the_prompt() -> None:
     assert s.build_connector_meta(SchedOut({"r1": 200})).prefills == []  # chunk 1 of 2
     req.num_computed_tokens = 200
     plan = s.build_connector_meta(SchedOut({"r1": 100}))
-    assert [(p.transfer_id, p.block_ids, p.num_tokens) for p in plan.prefills] == [("t1", ((3, 4, 5),), 300)]
+    assert [(p.transfer_id, p.block_ids, p.num_tokens) for p in plan.prefills] == [
+        ("t1", ((3, 4, 5),), 300)
+    ]
     assert s.has_pending_push_work()
     assert s.build_connector_meta(SchedOut({"r1": 1})).prefills == []  # staged once
 
@@ -77,7 +84,11 @@ def test_blocks_stay_until_every_worker_finished_sending() -> None:
     m.ids["r1"] = ([1],)
     s.build_connector_meta(SchedOut({"r1": 300}))
     delay, params = s.request_finished(req, ([1],))
-    assert delay and params["transfer_id"] == "t1" and list(params["pushkv"]["agents"]) == ["prefill-tp0-x"]
+    assert (
+        delay
+        and params["transfer_id"] == "t1"
+        and list(params["pushkv"]["agents"]) == ["prefill-tp0-x"]
+    )
     out = ConnOut(finished_sending={"r1"})
     s.update_connector_output(out)
     assert out.finished_sending == {"r1"} and not s.has_pending_push_work()
@@ -125,9 +136,16 @@ def test_probe_returns_coordinates_and_is_not_tracked() -> None:
     req = Req("p", {"pushkv_probe": True})
     s.on_new_request(req)
     delay, params = s.request_finished(req, ([1],))
-    assert not delay and params == {"pushkv": {"engine_id": "prefill", "host": "127.0.0.1",
-                                               "port": 5000, "tp_size": 1, "ports": (5000,),
-                                               "agents": ("prefill-tp0-x",)}}
+    assert not delay and params == {
+        "pushkv": {
+            "engine_id": "prefill",
+            "host": "127.0.0.1",
+            "port": 5000,
+            "tp_size": 1,
+            "ports": (5000,),
+            "agents": ("prefill-tp0-x",),
+        }
+    }
 
 
 def consumer() -> SchedulerSide:
@@ -175,8 +193,12 @@ def test_decode_abort_while_receiving_waits_for_finished_recving() -> None:
 
 def test_malformed_decode_leg_is_served_locally_with_the_reason() -> None:
     s = consumer()
-    for bad in ({"do_remote_prefill": True}, {**D_LEG, "remote_port": "x"},
-                {**D_LEG, "transfer_id": "has space"}, {**D_LEG, "remote_tp_size": 0}):
+    for bad in (
+        {"do_remote_prefill": True},
+        {**D_LEG, "remote_port": "x"},
+        {**D_LEG, "transfer_id": "has space"},
+        {**D_LEG, "remote_tp_size": 0},
+    ):
         req = Req("d", bad)
         s.on_new_request(req)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)

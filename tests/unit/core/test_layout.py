@@ -11,17 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.core.errors import LayoutError
-from connector.core.layout import (
-    KVLayout,
-    Pieces,
-    Region,
-    assign_writers,
-    head_range,
-    merge,
-    plan_transfer,
-    sources_of,
-    targets_of,
-)
+from connector.core.heads import assign_writers, head_range, sources_of, targets_of
+from connector.core.layout import KVLayout, Region
+from connector.core.plan import Pieces, merge, plan_transfer
 
 BLOCK_SIZES = (1, 2, 3, 4, 8, 16)
 
@@ -65,23 +57,43 @@ def reference(src, sb, dst, db, first, n, heads) -> Pieces:
 # ---------------------------------------------------------------- builders
 
 
-def make_layout(keys, *, block_size, num_blocks, heads, token_bytes, order, pad=0, base=4096,
-                gap=0, device_id=0, kv_split=False):
+def make_layout(
+    keys,
+    *,
+    block_size,
+    num_blocks,
+    heads,
+    token_bytes,
+    order,
+    pad=0,
+    base=4096,
+    gap=0,
+    device_id=0,
+    kv_split=False,
+):
     """Regions laid one after another from `base`, in the given key order. With `kv_split`,
     each layer is one tensor whose heads hold K[N] then V[N] (vLLM's CPU cache): parts 0
     and 1 of a (layer, group) interleave inside the same blocks."""
     if kv_split:
-        return _kv_split_layout(keys, block_size, num_blocks, heads, token_bytes, pad, base, gap,
-                                device_id)
+        return _kv_split_layout(
+            keys, block_size, num_blocks, heads, token_bytes, pad, base, gap, device_id
+        )
     stride = (heads[1] - heads[0]) * block_size * token_bytes + pad
     regions, addr = [], base
     for layer, group, part in keys:
-        regions.append(Region(layer=layer, group=group, part=part, base_addr=addr,
-                              block_stride=stride))
+        regions.append(
+            Region(layer=layer, group=group, part=part, base_addr=addr, block_stride=stride)
+        )
         addr += num_blocks * stride + gap
-    return KVLayout(block_size=block_size, num_blocks=num_blocks, heads=heads,
-                    token_bytes=token_bytes, order=order, regions=tuple(regions),
-                    device_id=device_id)
+    return KVLayout(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=token_bytes,
+        order=order,
+        regions=tuple(regions),
+        device_id=device_id,
+    )
 
 
 def _kv_split_layout(keys, n, num_blocks, heads, tb, pad, base, gap, device_id):
@@ -90,12 +102,27 @@ def _kv_split_layout(keys, n, num_blocks, heads, tb, pad, base, gap, device_id):
     regions, addr = [], base
     for layer, group in sorted({(k[0], k[1]) for k in keys}):
         for part in (0, 1):
-            regions.append(Region(layer=layer, group=group, part=part,
-                                  base_addr=addr + part * n * tb, block_stride=stride))
+            regions.append(
+                Region(
+                    layer=layer,
+                    group=group,
+                    part=part,
+                    base_addr=addr + part * n * tb,
+                    block_stride=stride,
+                )
+            )
         addr += num_blocks * stride + gap
-    return KVLayout(block_size=n, num_blocks=num_blocks, heads=heads, token_bytes=tb,
-                    order="HND", regions=tuple(regions), device_id=device_id,
-                    head_stride=2 * n * tb, token_stride=tb)
+    return KVLayout(
+        block_size=n,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=tb,
+        order="HND",
+        regions=tuple(regions),
+        device_id=device_id,
+        head_stride=2 * n * tb,
+        token_stride=tb,
+    )
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -113,8 +140,14 @@ def scenarios(draw):
     p_tp = draw(st.sampled_from(valid_tp(num_heads)))
     d_tp = draw(st.sampled_from(valid_tp(num_heads)))
     n_groups = draw(st.integers(1, 2))
-    keys = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, n_groups - 1),
-                                   st.integers(0, 1)), min_size=1, max_size=3, unique=True))
+    keys = draw(
+        st.lists(
+            st.tuples(st.integers(0, 2), st.integers(0, n_groups - 1), st.integers(0, 1)),
+            min_size=1,
+            max_size=3,
+            unique=True,
+        )
+    )
     d_keys = draw(st.permutations(keys))  # region order in the tuple must not matter
     bs, bd = draw(st.sampled_from(BLOCK_SIZES)), draw(st.sampled_from(BLOCK_SIZES))
     num_tokens = draw(st.integers(1, 40))
@@ -132,12 +165,28 @@ def scenarios(draw):
     if split_s or split_d:
         keys = sorted({(k[0], k[1], p) for k in keys for p in (0, 1)})
         d_keys = draw(st.permutations(keys))
-    src = dict(keys=keys, block_size=bs, num_blocks=s_nb, order=draw(orders), token_bytes=tb,
-               pad=draw(st.sampled_from([0, 0, 1, 7])), base=4096, gap=draw(st.integers(0, 3)),
-               kv_split=split_s)
-    dst = dict(keys=d_keys, block_size=bd, num_blocks=d_nb, order=draw(orders), token_bytes=tb,
-               pad=draw(st.sampled_from([0, 0, 3])), base=1 << 30, gap=draw(st.integers(0, 3)),
-               kv_split=split_d)
+    src = dict(
+        keys=keys,
+        block_size=bs,
+        num_blocks=s_nb,
+        order=draw(orders),
+        token_bytes=tb,
+        pad=draw(st.sampled_from([0, 0, 1, 7])),
+        base=4096,
+        gap=draw(st.integers(0, 3)),
+        kv_split=split_s,
+    )
+    dst = dict(
+        keys=d_keys,
+        block_size=bd,
+        num_blocks=d_nb,
+        order=draw(orders),
+        token_bytes=tb,
+        pad=draw(st.sampled_from([0, 0, 3])),
+        base=1 << 30,
+        gap=draw(st.integers(0, 3)),
+        kv_split=split_d,
+    )
     return num_heads, p_tp, d_tp, src, sb, dst, db, first, num_tokens
 
 
@@ -163,8 +212,9 @@ def test_plan_matches_reference_for_every_writer_pair(sc):
 
 def test_realistic_same_layout_contiguous_blocks_is_one_piece_per_region():
     keys = [(layer, 0, part) for layer in range(4) for part in (0, 1)]
-    lay = make_layout(keys, block_size=16, num_blocks=64, heads=(0, 8), token_bytes=256,
-                      order="HND", gap=4096)
+    lay = make_layout(
+        keys, block_size=16, num_blocks=64, heads=(0, 8), token_bytes=256, order="HND", gap=4096
+    )
     lay.validate()
     blocks = [list(range(5, 21))]
     got = plan_transfer(lay, blocks, lay, blocks, first_token=0, num_tokens=16 * 16, heads=(0, 8))
@@ -175,8 +225,9 @@ def test_realistic_same_layout_contiguous_blocks_is_one_piece_per_region():
 
 
 def test_adjacent_regions_with_all_blocks_merge_across_regions():
-    lay = make_layout([(0, 0, 0), (1, 0, 0)], block_size=4, num_blocks=8, heads=(0, 2),
-                      token_bytes=8, order="NHD")
+    lay = make_layout(
+        [(0, 0, 0), (1, 0, 0)], block_size=4, num_blocks=8, heads=(0, 2), token_bytes=8, order="NHD"
+    )
     blocks = [list(range(8))]
     got = plan_transfer(lay, blocks, lay, blocks, first_token=0, num_tokens=32, heads=(0, 2))
     assert got.count == 1 and got.bytes_total == 2 * 32 * 2 * 8
@@ -186,16 +237,18 @@ def test_block_size_and_head_split_mismatch_realistic():
     # P: TP 1, 8 heads, block 16, HND. D: TP 2, block 32, NHD; D rank 1 gets heads 4..8.
     keys = [(layer, 0, 0) for layer in range(3)]
     src = make_layout(keys, block_size=16, num_blocks=16, heads=(0, 8), token_bytes=4, order="HND")
-    dst = make_layout(keys, block_size=32, num_blocks=8, heads=(4, 8), token_bytes=4, order="NHD",
-                      base=1 << 30)
+    dst = make_layout(
+        keys, block_size=32, num_blocks=8, heads=(4, 8), token_bytes=4, order="NHD", base=1 << 30
+    )
     sb, db = [[3, 1, 4, 0, 5, 9, 2, 6]], [[1, 2, 3, 0]]
     got = plan_transfer(src, sb, dst, db, first_token=32, num_tokens=120, heads=(4, 8))
     assert got == reference(src, sb, dst, db, 32, 120, (4, 8))
 
 
 def test_empty_token_range_is_empty():
-    lay = make_layout([(0, 0, 0)], block_size=4, num_blocks=4, heads=(0, 1), token_bytes=2,
-                      order="HND")
+    lay = make_layout(
+        [(0, 0, 0)], block_size=4, num_blocks=4, heads=(0, 1), token_bytes=2, order="HND"
+    )
     got = plan_transfer(lay, [[]], lay, [[]], first_token=8, num_tokens=8, heads=(0, 1))
     assert got == Pieces.empty() and got.count == 0 and got.bytes_total == 0
 
@@ -237,13 +290,29 @@ def test_bytes_land_where_the_formula_says(shape):
         srcs[p] = rng.integers(0, 256, size, dtype=np.uint8)
     for d, dh in enumerate(d_heads):
         dbuf = np.zeros(len(keys) * d_nb * ((dh[1] - dh[0]) * bd * tb + pad) + 64, dtype=np.uint8)
-        dst = make_layout(keys, block_size=bd, num_blocks=d_nb, heads=dh, token_bytes=tb,
-                          order=d_order, pad=pad, base=dbuf.ctypes.data + 32)
+        dst = make_layout(
+            keys,
+            block_size=bd,
+            num_blocks=d_nb,
+            heads=dh,
+            token_bytes=tb,
+            order=d_order,
+            pad=pad,
+            base=dbuf.ctypes.data + 32,
+        )
         written = np.zeros(dbuf.size, dtype=bool)
         for p in sources_of(assignment, d):
             sbuf = srcs[p]
-            src = make_layout(keys, block_size=bs, num_blocks=s_nb, heads=p_heads[p],
-                              token_bytes=tb, order=s_order, pad=pad, base=sbuf.ctypes.data + 32)
+            src = make_layout(
+                keys,
+                block_size=bs,
+                num_blocks=s_nb,
+                heads=p_heads[p],
+                token_bytes=tb,
+                order=s_order,
+                pad=pad,
+                base=sbuf.ctypes.data + 32,
+            )
             src.validate()
             dst.validate()
             heads = assignment[(p, d)]
@@ -382,8 +451,14 @@ def test_assign_writers_errors():
 
 
 def base_layout(**kw) -> KVLayout:
-    args = dict(keys=[(0, 0, 0), (1, 0, 0)], block_size=4, num_blocks=8, heads=(0, 2),
-                token_bytes=4, order="HND")
+    args = dict(
+        keys=[(0, 0, 0), (1, 0, 0)],
+        block_size=4,
+        num_blocks=8,
+        heads=(0, 2),
+        token_bytes=4,
+        order="HND",
+    )
     args.update(kw)
     return make_layout(**args)
 
@@ -498,10 +573,14 @@ def test_opaque_blocks_move_whole_blocks(sc, on_src):
 
 
 def test_opaque_blocks_need_equal_block_sizes():
-    a = make_layout([(0, 0, 0)], block_size=4, num_blocks=4, heads=(0, 1), token_bytes=2,
-                    order="HND")
-    b = msgspec.structs.replace(make_layout([(0, 0, 0)], block_size=8, num_blocks=4,
-                                            heads=(0, 1), token_bytes=2, order="HND"),
-                                opaque_blocks=True)
+    a = make_layout(
+        [(0, 0, 0)], block_size=4, num_blocks=4, heads=(0, 1), token_bytes=2, order="HND"
+    )
+    b = msgspec.structs.replace(
+        make_layout(
+            [(0, 0, 0)], block_size=8, num_blocks=4, heads=(0, 1), token_bytes=2, order="HND"
+        ),
+        opaque_blocks=True,
+    )
     with pytest.raises(LayoutError, match="opaque"):
         plan_transfer(a, [[0, 1]], b, [[0]], first_token=0, num_tokens=6, heads=(0, 1))

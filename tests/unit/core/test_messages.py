@@ -13,9 +13,19 @@ from tests.unit.core.factories import d_addr, register
 
 SAMPLES: list[m.Message] = [
     register(),
-    m.Register(transfer_id="x.1:a@b-c", d_engine_id="d", d_rank=3, d_tp_size=4, d_addr=d_addr(3),
-               layout=register().layout, block_ids=((1, 2), (7,)), first_token=32, num_tokens=40,
-               ttl_ms=5, trace=m.TraceContext(traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01")),
+    m.Register(
+        transfer_id="x.1:a@b-c",
+        d_engine_id="d",
+        d_rank=3,
+        d_tp_size=4,
+        d_addr=d_addr(3),
+        layout=register().layout,
+        block_ids=((1, 2), (7,)),
+        first_token=32,
+        num_tokens=40,
+        ttl_ms=5,
+        trace=m.TraceContext(traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    ),
     m.Completion(transfer_id="t0", p_rank=1, p_tp_size=2, bytes_total=1 << 30, descriptors=12),
     m.Fail(transfer_id="t0", p_rank=0, reason=m.FailReason.LEASE_EXPIRED, detail="late"),
     m.Cancel(transfer_id="t0", d_rank=0, d_addr=d_addr(), reason=m.FailReason.ABORTED),
@@ -49,27 +59,62 @@ def _as_dict(msg: m.Message) -> dict:
         (b"", "bad magic"),
         (b"PUSH_REG:" + b"x" * 10, "bad magic"),
         (m.MAGIC + b"\xc1", "malformed frame header"),
-        (_raw({"version": 2, "type": "done", "transfer_id": "t", "p_rank": 0, "p_tp_size": 1}),
-         "unknown protocol version 2"),
+        (
+            _raw({"version": 2, "type": "done", "transfer_id": "t", "p_rank": 0, "p_tp_size": 1}),
+            "unknown protocol version 2",
+        ),
         (_raw({"version": 1, "type": "nope", "transfer_id": "t"}), "malformed 'nope'"),
-        (_raw({"version": 1, "type": "done", "transfer_id": "t", "p_rank": -1, "p_tp_size": 1}),
-         "malformed 'done'"),
-        (_raw({"version": 1, "type": "done", "transfer_id": "t", "p_rank": 0, "p_tp_size": 1,
-               "extra": 1}), "malformed 'done'"),
-        (_raw({"version": 1, "type": "done", "transfer_id": "", "p_rank": 0, "p_tp_size": 1}),
-         "malformed 'done'"),
-        (_raw({"version": 1, "type": "done", "transfer_id": "a b", "p_rank": 0, "p_tp_size": 1}),
-         "malformed 'done'"),
-        (_raw({"version": 1, "type": "done", "transfer_id": "t" * 129, "p_rank": 0,
-               "p_tp_size": 1}), "malformed 'done'"),
-        (_raw({"version": 1, "type": "fail", "transfer_id": "t", "p_rank": 0,
-               "reason": "bogus"}), "malformed 'fail'"),
+        (
+            _raw({"version": 1, "type": "done", "transfer_id": "t", "p_rank": -1, "p_tp_size": 1}),
+            "malformed 'done'",
+        ),
+        (
+            _raw(
+                {
+                    "version": 1,
+                    "type": "done",
+                    "transfer_id": "t",
+                    "p_rank": 0,
+                    "p_tp_size": 1,
+                    "extra": 1,
+                }
+            ),
+            "malformed 'done'",
+        ),
+        (
+            _raw({"version": 1, "type": "done", "transfer_id": "", "p_rank": 0, "p_tp_size": 1}),
+            "malformed 'done'",
+        ),
+        (
+            _raw({"version": 1, "type": "done", "transfer_id": "a b", "p_rank": 0, "p_tp_size": 1}),
+            "malformed 'done'",
+        ),
+        (
+            _raw(
+                {
+                    "version": 1,
+                    "type": "done",
+                    "transfer_id": "t" * 129,
+                    "p_rank": 0,
+                    "p_tp_size": 1,
+                }
+            ),
+            "malformed 'done'",
+        ),
+        (
+            _raw(
+                {"version": 1, "type": "fail", "transfer_id": "t", "p_rank": 0, "reason": "bogus"}
+            ),
+            "malformed 'fail'",
+        ),
         (_raw({"version": 1, "type": "done", "p_rank": 0, "p_tp_size": 1}), "malformed 'done'"),
         (_raw({**_as_dict(register()), "ttl_ms": 0}), "malformed 'register'"),
         (_raw({**_as_dict(register()), "block_ids": []}), "malformed 'register'"),
         (_raw({**_as_dict(register()), "block_ids": [[-4]]}), "malformed 'register'"),
-        (_raw({**_as_dict(register()), "d_addr": {"agent": "d", "host": "h", "port": 0}}),
-         "malformed 'register'"),
+        (
+            _raw({**_as_dict(register()), "d_addr": {"agent": "d", "host": "h", "port": 0}}),
+            "malformed 'register'",
+        ),
         (m.encode(SAMPLES[2])[:-3], "malformed"),
         (m.MAGIC + b"\x00" * (m.MAX_FRAME_BYTES), "exceeds"),
     ],

@@ -18,19 +18,24 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from connector.core import events as ev
 from connector.core import messages as m
-from connector.core.layout import assign_writers, head_range, sources_of, targets_of
-from connector.core.receiver import ReceiverTable
-from connector.core.rendezvous import SenderTable
+from connector.core.heads import assign_writers, head_range, sources_of, targets_of
+from connector.core.receiver_table import ReceiverTable
+from connector.core.sender_table import SenderTable
 from connector.core.state import ReceiverPolicy, SenderPolicy
 from tests.unit.core.factories import LAYOUT, d_addr, p_addr
 
 MS = 1_000_000
 TIDS = ("t0", "t1", "t2")
 HEADS = 4
-SEND_POLICY = SenderPolicy(lease_ns=100 * MS, max_registration_ttl_ns=10_000 * MS,
-                           write_timeout_ns=50 * MS, tombstone_ns=500 * MS)
-RECV_POLICY = ReceiverPolicy(timeout_ns=200 * MS, grace_ns=80 * MS,
-                             heartbeat_interval_ns=30 * MS, tombstone_ns=500 * MS)
+SEND_POLICY = SenderPolicy(
+    lease_ns=100 * MS,
+    max_registration_ttl_ns=10_000 * MS,
+    write_timeout_ns=50 * MS,
+    tombstone_ns=500 * MS,
+)
+RECV_POLICY = ReceiverPolicy(
+    timeout_ns=200 * MS, grace_ns=80 * MS, heartbeat_interval_ns=30 * MS, tombstone_ns=500 * MS
+)
 
 
 def _rank(agent: str) -> int:
@@ -41,12 +46,16 @@ class PushProtocol(RuleBasedStateMachine):
     @initialize(tp=st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4)]))
     def setup(self, tp: tuple[int, int]) -> None:
         self.p_tp, self.d_tp = tp
-        assign = assign_writers([head_range(p, self.p_tp, HEADS) for p in range(self.p_tp)],
-                                [head_range(d, self.d_tp, HEADS) for d in range(self.d_tp)])
+        assign = assign_writers(
+            [head_range(p, self.p_tp, HEADS) for p in range(self.p_tp)],
+            [head_range(d, self.d_tp, HEADS) for d in range(self.d_tp)],
+        )
         self.targets = {p: frozenset(targets_of(assign, p)) for p in range(self.p_tp)}
         self.sources = {d: sources_of(assign, d) for d in range(self.d_tp)}
-        self.P = {p: SenderTable(lambda _d_tp, p=p: self.targets[p], SEND_POLICY)
-                  for p in range(self.p_tp)}
+        self.P = {
+            p: SenderTable(lambda _d_tp, p=p: self.targets[p], SEND_POLICY)
+            for p in range(self.p_tp)
+        }
         self.D = {d: ReceiverTable(RECV_POLICY) for d in range(self.d_tp)}
         self.now = 0
         self.net: list[tuple[str, int, bytes]] = []  # (side, rank, frame)
@@ -86,16 +95,34 @@ class PushProtocol(RuleBasedStateMachine):
                 # The transport releases the handle; what had not landed never will.
                 self.in_flight.pop((p, a.transfer_id), None)
                 self.stuck.discard((p, a.transfer_id))
-                self._p_do(p, self.P[p].handle(
-                    ev.WriteFailed(a.transfer_id, m.FailReason.WRITE_TIMEOUT), self.now))
+                self._p_do(
+                    p,
+                    self.P[p].handle(
+                        ev.WriteFailed(a.transfer_id, m.FailReason.WRITE_TIMEOUT), self.now
+                    ),
+                )
             elif isinstance(a, ev.SendFail):
                 for addr in a.to:
-                    self.net.append(("D", _rank(addr.agent), m.encode(
-                        m.Fail(transfer_id=a.transfer_id, p_rank=p, reason=a.reason))))
+                    self.net.append(
+                        (
+                            "D",
+                            _rank(addr.agent),
+                            m.encode(m.Fail(transfer_id=a.transfer_id, p_rank=p, reason=a.reason)),
+                        )
+                    )
             elif isinstance(a, ev.ResendCompletion):
                 for addr in a.to:
-                    self.net.append(("D", _rank(addr.agent), m.encode(
-                        m.Completion(transfer_id=a.transfer_id, p_rank=p, p_tp_size=self.p_tp))))
+                    self.net.append(
+                        (
+                            "D",
+                            _rank(addr.agent),
+                            m.encode(
+                                m.Completion(
+                                    transfer_id=a.transfer_id, p_rank=p, p_tp_size=self.p_tp
+                                )
+                            ),
+                        )
+                    )
             else:
                 raise AssertionError(f"unexpected P action {a}")
 
@@ -105,21 +132,62 @@ class PushProtocol(RuleBasedStateMachine):
             if isinstance(a, ev.SendRegister):
                 p = a.source.p_rank
                 if p in self.dead:  # send_notif to a dead agent raises: P never saw it
-                    self._d_do(d, self.D[d].handle(
-                        ev.SendFailed(a.transfer_id, p, m.FailReason.PEER_LOST), self.now))
+                    self._d_do(
+                        d,
+                        self.D[d].handle(
+                            ev.SendFailed(a.transfer_id, p, m.FailReason.PEER_LOST), self.now
+                        ),
+                    )
                     continue
-                self.net.append(("P", p, m.encode(m.Register(
-                    transfer_id=a.transfer_id, d_engine_id="decode", d_rank=d, d_tp_size=self.d_tp,
-                    d_addr=d_addr(d), layout=LAYOUT, block_ids=((1, 2),), first_token=0,
-                    num_tokens=32, ttl_ms=150))))
+                self.net.append(
+                    (
+                        "P",
+                        p,
+                        m.encode(
+                            m.Register(
+                                transfer_id=a.transfer_id,
+                                d_engine_id="decode",
+                                d_rank=d,
+                                d_tp_size=self.d_tp,
+                                d_addr=d_addr(d),
+                                layout=LAYOUT,
+                                block_ids=((1, 2),),
+                                first_token=0,
+                                num_tokens=32,
+                                ttl_ms=150,
+                            )
+                        ),
+                    )
+                )
             elif isinstance(a, ev.SendCancel):
                 for src in a.to:
-                    self.net.append(("P", src.p_rank, m.encode(m.Cancel(
-                        transfer_id=a.transfer_id, d_rank=d, d_addr=d_addr(d), reason=a.reason))))
+                    self.net.append(
+                        (
+                            "P",
+                            src.p_rank,
+                            m.encode(
+                                m.Cancel(
+                                    transfer_id=a.transfer_id,
+                                    d_rank=d,
+                                    d_addr=d_addr(d),
+                                    reason=a.reason,
+                                )
+                            ),
+                        )
+                    )
             elif isinstance(a, ev.SendHeartbeat):
                 ids = a.transfer_ids
-                self.net.append(("P", _rank(a.to.agent), m.encode(m.Heartbeat(
-                    transfer_id=ids[0], more_ids=ids[1:], d_rank=d, d_addr=d_addr(d)))))
+                self.net.append(
+                    (
+                        "P",
+                        _rank(a.to.agent),
+                        m.encode(
+                            m.Heartbeat(
+                                transfer_id=ids[0], more_ids=ids[1:], d_rank=d, d_addr=d_addr(d)
+                            )
+                        ),
+                    )
+                )
             elif isinstance(a, ev.ReportReceived):
                 key = (d, a.transfer_id)
                 assert key in self.expected, f"reported {key} never expected"
@@ -127,12 +195,17 @@ class PushProtocol(RuleBasedStateMachine):
                 self.reported[key] = a
                 rec = self.D[d].get(a.transfer_id)
                 assert rec is not None
-                writers = [p for (p, tid), ds in self.in_flight.items()
-                           if tid == a.transfer_id and d in ds and p not in self.dead]
+                writers = [
+                    p
+                    for (p, tid), ds in self.in_flight.items()
+                    if tid == a.transfer_id and d in ds and p not in self.dead
+                ]
                 if not rec.abandoned:
                     assert not writers, f"D{d} released {a.transfer_id} while P{writers} may write"
                 if a.ok:
-                    missing = [p for p in self.sources[d] if (p, a.transfer_id, d) not in self.landed]
+                    missing = [
+                        p for p in self.sources[d] if (p, a.transfer_id, d) not in self.landed
+                    ]
                     assert not missing, f"reported ok but P{missing} never landed"
             else:
                 raise AssertionError(f"unexpected D action {a}")
@@ -146,22 +219,35 @@ class PushProtocol(RuleBasedStateMachine):
             if isinstance(msg, m.Register):
                 self._p_do(rank, self.P[rank].handle(ev.Registered(msg), self.now))
             elif isinstance(msg, m.Cancel):
-                self._p_do(rank, self.P[rank].handle(
-                    ev.Cancelled(msg.transfer_id, msg.d_rank, msg.d_addr, msg.reason), self.now))
+                self._p_do(
+                    rank,
+                    self.P[rank].handle(
+                        ev.Cancelled(msg.transfer_id, msg.d_rank, msg.d_addr, msg.reason), self.now
+                    ),
+                )
             elif isinstance(msg, m.Heartbeat):
                 for tid in msg.transfer_ids():
                     self._p_do(rank, self.P[rank].handle(ev.HeartbeatSeen(tid), self.now))
         else:
             if isinstance(msg, m.Completion):
-                self._d_do(rank, self.D[rank].handle(ev.CompletionSeen(msg.transfer_id, msg.p_rank), self.now))
+                self._d_do(
+                    rank,
+                    self.D[rank].handle(ev.CompletionSeen(msg.transfer_id, msg.p_rank), self.now),
+                )
             elif isinstance(msg, m.Fail):
-                self._d_do(rank, self.D[rank].handle(
-                    ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason), self.now))
+                self._d_do(
+                    rank,
+                    self.D[rank].handle(
+                        ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason), self.now
+                    ),
+                )
 
     # ------------------------------------------------------------- engine rules
     @rule(data=st.data(), tid=st.sampled_from(TIDS), aborted=st.booleans())
     def prefill_finished(self, data: st.DataObject, tid: str, aborted: bool) -> None:
-        live = [p for p in range(self.p_tp) if (p, tid) not in self.prefill_seen and p not in self.dead]
+        live = [
+            p for p in range(self.p_tp) if (p, tid) not in self.prefill_seen and p not in self.dead
+        ]
         if not live:
             return
         p = data.draw(st.sampled_from(live))
@@ -170,12 +256,17 @@ class PushProtocol(RuleBasedStateMachine):
             self._p_do(p, self.P[p].handle(ev.PrefillAborted(tid, f"req-{tid}"), self.now))
         else:
             self.handed_over.add((p, tid))
-            self._p_do(p, self.P[p].handle(ev.PrefillDone(tid, f"req-{tid}", ((3, 4),), 32), self.now))
+            self._p_do(
+                p, self.P[p].handle(ev.PrefillDone(tid, f"req-{tid}", ((3, 4),), 32), self.now)
+            )
 
     @rule(data=st.data())
     def source_reclaimed(self, data: st.DataObject) -> None:
-        live = sorted(k for k in self.handed_over
-                      if k not in self.reclaimed and self.freed[k] == 0 and k[0] not in self.dead)
+        live = sorted(
+            k
+            for k in self.handed_over
+            if k not in self.reclaimed and self.freed[k] == 0 and k[0] not in self.dead
+        )
         if not live:
             return
         p, tid = data.draw(st.sampled_from(live))
@@ -190,7 +281,9 @@ class PushProtocol(RuleBasedStateMachine):
         d = data.draw(st.sampled_from(fresh))
         self.expected.add((d, tid))
         srcs = tuple(ev.Source(p, p_addr(p)) for p in self.sources[d])
-        self._d_do(d, self.D[d].handle(ev.Expected(tid, f"dreq-{tid}", srcs, ((1, 2),), 0, 32), self.now))
+        self._d_do(
+            d, self.D[d].handle(ev.Expected(tid, f"dreq-{tid}", srcs, ((1, 2),), 0, 32), self.now)
+        )
 
     @rule(data=st.data())
     def decode_aborted(self, data: st.DataObject) -> None:
@@ -202,14 +295,20 @@ class PushProtocol(RuleBasedStateMachine):
     @precondition(lambda self: any(self.in_flight.values()))
     @rule(data=st.data())
     def write_lands(self, data: st.DataObject) -> None:
-        live = sorted((k, d) for k, ds in self.in_flight.items() for d in ds
-                      if k[0] not in self.dead and k not in self.stuck)
+        live = sorted(
+            (k, d)
+            for k, ds in self.in_flight.items()
+            for d in ds
+            if k[0] not in self.dead and k not in self.stuck
+        )
         if not live:
             return
         (p, tid), d = data.draw(st.sampled_from(live))
         self.in_flight[(p, tid)].discard(d)
         self.landed.add((p, tid, d))
-        self.net.append(("D", d, m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp))))
+        self.net.append(
+            ("D", d, m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp)))
+        )
         if not self.in_flight[(p, tid)]:
             del self.in_flight[(p, tid)]
             self._p_do(p, self.P[p].handle(ev.WriteDone(tid), self.now))
@@ -217,8 +316,11 @@ class PushProtocol(RuleBasedStateMachine):
     @precondition(lambda self: any(self.in_flight.values()))
     @rule(data=st.data())
     def write_fails(self, data: st.DataObject) -> None:
-        live = sorted(k for k, ds in self.in_flight.items()
-                      if ds and k[0] not in self.dead and k not in self.stuck)
+        live = sorted(
+            k
+            for k, ds in self.in_flight.items()
+            if ds and k[0] not in self.dead and k not in self.stuck
+        )
         if not live:
             return
         p, tid = data.draw(st.sampled_from(live))
@@ -228,7 +330,9 @@ class PushProtocol(RuleBasedStateMachine):
     @precondition(lambda self: any(self.in_flight.values()))
     @rule(data=st.data())
     def write_hangs(self, data: st.DataObject) -> None:
-        self.stuck.add(data.draw(st.sampled_from(sorted(k for k, ds in self.in_flight.items() if ds))))
+        self.stuck.add(
+            data.draw(st.sampled_from(sorted(k for k, ds in self.in_flight.items() if ds)))
+        )
 
     @precondition(lambda self: len(self.dead) < self.p_tp)
     @rule(data=st.data())
@@ -284,21 +388,32 @@ class PushProtocol(RuleBasedStateMachine):
         for _ in range(100):
             while self.net:
                 self._deliver(*self.net.pop(0))
-            for (p, tid) in [k for k in self.in_flight if k not in self.stuck]:
+            for p, tid in [k for k in self.in_flight if k not in self.stuck]:
                 for d in sorted(self.in_flight.get((p, tid), ())):
                     self.in_flight[(p, tid)].discard(d)
                     self.landed.add((p, tid, d))
-                    self.net.append(("D", d, m.encode(
-                        m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp))))
+                    self.net.append(
+                        (
+                            "D",
+                            d,
+                            m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp)),
+                        )
+                    )
                 if not self.in_flight.get((p, tid)):
                     self.in_flight.pop((p, tid), None)
                     self._p_do(p, self.P[p].handle(ev.WriteDone(tid), self.now))
             self._advance(100)
-            if not self.net and not self.in_flight and all(
-                    len(t) == 0 for t in (*self.P.values(), *self.D.values())):
+            if (
+                not self.net
+                and not self.in_flight
+                and all(len(t) == 0 for t in (*self.P.values(), *self.D.values()))
+            ):
                 break
-        owed = [k for k in self.handed_over
-                if k[0] not in self.dead and k not in self.reclaimed and self.freed[k] != 1]
+        owed = [
+            k
+            for k in self.handed_over
+            if k[0] not in self.dead and k not in self.reclaimed and self.freed[k] != 1
+        ]
         assert not owed, f"blocks never given back: {owed}"
         unreported = [k for k in self.expected if k not in self.reported]
         assert not unreported, f"transfers never reported: {unreported}"
@@ -308,5 +423,9 @@ class PushProtocol(RuleBasedStateMachine):
 
 
 TestPushProtocol = PushProtocol.TestCase
-TestPushProtocol.settings = settings(max_examples=400, stateful_step_count=40, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+TestPushProtocol.settings = settings(
+    max_examples=400,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

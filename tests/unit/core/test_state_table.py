@@ -12,8 +12,8 @@ from connector.core.errors import LocalProtocolError, RemoteProtocolError
 from connector.core.messages import FailReason
 from connector.core.state import (
     DeadlinePassed,
-    RecvCtx,
     ReceiverPolicy,
+    RecvCtx,
     RecvRecord,
     RecvState,
     SendCtx,
@@ -61,17 +61,20 @@ def send_record(state: SendState, prefilled: bool) -> SendRecord:
 
 def _check_send_actions(rec: SendRecord, actions: list) -> None:
     for a in actions:
-        assert isinstance(a, (ev.IssueWrite, ev.AbortWrite, ev.FreeBlocks, ev.SendFail,
-                              ev.ResendCompletion)), a
+        assert isinstance(
+            a, (ev.IssueWrite, ev.AbortWrite, ev.FreeBlocks, ev.SendFail, ev.ResendCompletion)
+        ), a
         if isinstance(a, ev.FreeBlocks):
             assert rec.state is not SendState.WRITING, "freed blocks under a live WRITE"
         if isinstance(a, ev.SendFail):
             assert a.to, "SendFail to nobody"
 
 
-@pytest.mark.parametrize("state, prefilled, event", [
-    (s, p, e) for s, p, e in itertools.product(SendState, (False, True), SEND_EVENTS)
-], ids=str)
+@pytest.mark.parametrize(
+    "state, prefilled, event",
+    [(s, p, e) for s, p, e in itertools.product(SendState, (False, True), SEND_EVENTS)],
+    ids=str,
+)
 def test_every_send_pair(state: SendState, prefilled: bool, event: object) -> None:
     rec = send_record(state, prefilled)
     held_before = rec.blocks_held
@@ -95,8 +98,10 @@ def test_every_send_event_on_an_unknown_transfer(event: object) -> None:
     try:
         rec, actions = send_transition(None, event, SEND_CTX)
     except (LocalProtocolError, RemoteProtocolError):
-        assert isinstance(event, (ev.WriteDone, ev.WriteFailed, ev.HeartbeatSeen, DeadlinePassed,
-                                  ev.SourceReclaimed))
+        assert isinstance(
+            event,
+            (ev.WriteDone, ev.WriteFailed, ev.HeartbeatSeen, DeadlinePassed, ev.SourceReclaimed),
+        )
         return
     assert rec is not None
     _check_send_actions(rec, actions)
@@ -118,11 +123,17 @@ def recv_record(state: RecvState, statuses: tuple[SourceState, SourceState]) -> 
     return RecvRecord("t0", "req", state, NOW + 5, sources, dict(enumerate(statuses)))
 
 
-@pytest.mark.parametrize("state, statuses, event", [
-    (s, st, e) for s, st, e in itertools.product(
-        RecvState, itertools.product(SourceState, repeat=2), RECV_EVENTS)
-    if s.terminal or SourceState.PENDING in st
-], ids=str)
+@pytest.mark.parametrize(
+    "state, statuses, event",
+    [
+        (s, st, e)
+        for s, st, e in itertools.product(
+            RecvState, itertools.product(SourceState, repeat=2), RECV_EVENTS
+        )
+        if s.terminal or SourceState.PENDING in st
+    ],
+    ids=str,
+)
 def test_every_recv_pair(state: RecvState, statuses: tuple, event: object) -> None:
     rec = recv_record(state, statuses)
     try:
@@ -135,8 +146,9 @@ def test_every_recv_pair(state: RecvState, statuses: tuple, event: object) -> No
     if reports:
         assert not state.terminal, "reported twice"
         assert rec.state.terminal
-        assert rec.abandoned or SourceState.PENDING not in rec.status.values(), \
+        assert rec.abandoned or SourceState.PENDING not in rec.status.values(), (
             "reported while a source may still write"
+        )
         assert reports[0].ok == all(s is SourceState.DONE for s in rec.status.values())
     if not rec.state.terminal:
         assert SourceState.PENDING in rec.status.values()

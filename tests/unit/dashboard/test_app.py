@@ -46,12 +46,19 @@ def test_requests_view_lists_every_request_and_draws_its_waterfall(run_dir: Path
     data = load_run_folder(run_dir)
     table = at.dataframe[0].value
     assert len(table) == len(data.traces) - data.not_requests
-    assert list(table["outcome"] != "ok") == sorted(table["outcome"] != "ok", reverse=True)  # failed first
+    assert list(table["outcome"] != "ok") == sorted(
+        table["outcome"] != "ok", reverse=True
+    )  # failed first
     assert not at.error
     trace_id = at.query_params["trace"]
     assert trace_id == table["trace_id"].iloc[0]  # the first request needing attention is open
     fig = chart(at, "waterfall")
-    bars = [y for tr in fig["data"] if tr["type"] == "bar" and tr["name"] != "critical path" for y in tr["y"]]
+    bars = [
+        y
+        for tr in fig["data"]
+        if tr["type"] == "bar" and tr["name"] != "critical path"
+        for y in tr["y"]
+    ]
     assert len(bars) == len(data.traces[trace_id].spans)
     assert at.subheader[0].value.startswith("Critical path: ")
     assert at.get("download_button"), "no Perfetto export button"
@@ -101,7 +108,9 @@ def test_choosing_another_request_updates_the_link() -> None:
     at.selectbox(key="trace").select_index(len(options) - 1).run()
     assert not at.exception
     chosen = at.selectbox(key="trace").value
-    assert at.query_params["trace"] == chosen and chosen != at.dataframe[0].value["trace_id"].iloc[0]
+    assert (
+        at.query_params["trace"] == chosen and chosen != at.dataframe[0].value["trace_id"].iloc[0]
+    )
 
 
 def test_filters_narrow_the_table() -> None:
@@ -111,7 +120,9 @@ def test_filters_narrow_the_table() -> None:
     assert len(table) and set(table["outcome"]) == {"ok"}
     at.number_input(key="f_ttft").set_value(50.0).run()
     table = at.dataframe[0].value
-    assert (table["ttft_ms"] >= 50).all() and len(table) < len(load_run_folder(HERE / "gen-push").requests)
+    assert (table["ttft_ms"] >= 50).all() and len(table) < len(
+        load_run_folder(HERE / "gen-push").requests
+    )
 
 
 def test_failed_request_shows_its_reason() -> None:
@@ -168,7 +179,9 @@ def test_switching_the_source_resets_filters_and_selection() -> None:
     assert not at.exception and not at.error
     pull = load_run_folder(HERE / "gen-pull")
     assert len(at.dataframe[0].value) == len(pull.requests)
-    assert at.query_params["run"] == str(HERE / "gen-pull") and at.query_params["trace"] in pull.traces
+    assert (
+        at.query_params["run"] == str(HERE / "gen-pull") and at.query_params["trace"] in pull.traces
+    )
 
 
 @pytest.mark.parametrize("view", VIEWS)

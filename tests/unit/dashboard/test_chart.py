@@ -54,8 +54,12 @@ def static_serving_off() -> Iterator[None]:
 
 
 def _kinds(at: AppTest, key: str) -> set[str]:
-    return {kind for kind in ("plotly_chart", "bidi_component")
-            for el in at.get(kind) if el.proto.id.endswith(f"-{key}")}
+    return {
+        kind
+        for kind in ("plotly_chart", "bidi_component")
+        for el in at.get(kind)
+        if el.proto.id.endswith(f"-{key}")
+    }
 
 
 def _run(view: str) -> AppTest:
@@ -68,7 +72,9 @@ def _run(view: str) -> AppTest:
 
 
 def test_with_static_serving_the_waterfall_is_the_component_and_box_plots_stay() -> None:
-    assert config.get_option("server.enableStaticServing"), "the repository's .streamlit/config.toml"
+    assert config.get_option("server.enableStaticServing"), (
+        "the repository's .streamlit/config.toml"
+    )
     at = _run("requests")
     assert _kinds(at, "waterfall") == {"bidi_component"}
     el = next(el for el in at.get("bidi_component") if el.proto.id.endswith("-waterfall"))

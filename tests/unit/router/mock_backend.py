@@ -25,8 +25,11 @@ from starlette.routing import Route
 
 from tests.unit.router.serving import within
 
-CHUNKS = [b'data: {"choices": [{"text": "hel"}]}\n\n', b'data: {"choices": [{"text": "lo"}]}\n\n',
-          b"data: [DONE]\n\n"]
+CHUNKS = [
+    b'data: {"choices": [{"text": "hel"}]}\n\n',
+    b'data: {"choices": [{"text": "lo"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
 
 
 @dataclass
@@ -38,9 +41,14 @@ class Seen:
 
 
 class MockBackend:
-    def __init__(self, name: str, *, model: str | None = None,
-                 coords: dict[str, Any] | None = None,
-                 pull_params: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: str | None = None,
+        coords: dict[str, Any] | None = None,
+        pull_params: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         self.model = model or f"{name}-model"
         self.coords = coords
@@ -49,8 +57,9 @@ class MockBackend:
         self.gate: asyncio.Event | None = None
         self.fail_first_n = 0
         self.error_status = 500
-        self.error_body: dict[str, Any] = {"error": {"message": f"{name} failed",
-                                                     "type": "InternalServerError"}}
+        self.error_body: dict[str, Any] = {
+            "error": {"message": f"{name} failed", "type": "InternalServerError"}
+        }
         self.stream_gate: asyncio.Event | None = None
         self.crash_mid_stream = False
         self.chunks = list(CHUNKS)
@@ -73,15 +82,18 @@ class MockBackend:
         async def _wait() -> None:
             async with self._count:
                 await self._count.wait_for(lambda: len(self.requests) >= n)
+
         await within(_wait(), what or f"{n} request(s) at {self.name} (got {len(self.requests)})")
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/health", self._health, methods=["GET"]),
-            Route("/v1/models", self._models, methods=["GET"]),
-            Route("/v1/completions", self._generate, methods=["POST"]),
-            Route("/v1/chat/completions", self._generate, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/health", self._health, methods=["GET"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/completions", self._generate, methods=["POST"]),
+                Route("/v1/chat/completions", self._generate, methods=["POST"]),
+            ]
+        )
 
     async def _health(self, _request: Request) -> Response:
         self.health_checks += 1
@@ -114,8 +126,13 @@ class MockBackend:
         seen = Seen(request.url.path, body, dict(request.headers))
         if (body.get("kv_transfer_params") or {}).get("pushkv_probe"):
             self.probes.append(seen)
-            return JSONResponse({"id": "probe", "choices": [{"text": "x"}],
-                                 "kv_transfer_params": {"pushkv": self.coords}})
+            return JSONResponse(
+                {
+                    "id": "probe",
+                    "choices": [{"text": "x"}],
+                    "kv_transfer_params": {"pushkv": self.coords},
+                }
+            )
         async with self._count:
             self.requests.append(seen)
             self._count.notify_all()
@@ -127,10 +144,12 @@ class MockBackend:
             return JSONResponse(self.error_body, status_code=self.error_status)
         if body.get("stream"):
             return StreamingResponse(self._stream(request, seen), media_type="text/event-stream")
-        answer: dict[str, Any] = {"id": f"cmpl-{self.name}-{len(self.requests)}",
-                                  "object": "text_completion", "model": self.model,
-                                  "choices": [{"index": 0, "text": f"hello from {self.name}",
-                                               "finish_reason": "length"}]}
+        answer: dict[str, Any] = {
+            "id": f"cmpl-{self.name}-{len(self.requests)}",
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "length"}],
+        }
         if self.pull_params is not None:
             answer["kv_transfer_params"] = self.pull_params
         raw = json.dumps(answer).encode()
@@ -147,7 +166,8 @@ class MockBackend:
                 if self.crash_mid_stream:
                     raise RuntimeError(f"{self.name} crashed mid-stream (test knob)")
                 if self.stream_gate is not None and not await self._wait(
-                        request, self.stream_gate, seen):
+                    request, self.stream_gate, seen
+                ):
                     return
         except asyncio.CancelledError:
             # Starlette cancels the body when it sees the client (the router) go.

@@ -35,8 +35,11 @@ async def within(aw: Awaitable[T], what: str, timeout_s: float = WAIT_S) -> T:
 
 class InLoopServer(uvicorn.Server):
     def __init__(self, app: Any) -> None:
-        super().__init__(uvicorn.Config(app, lifespan="on", log_level="warning",
-                                        access_log=False, timeout_keep_alive=30))
+        super().__init__(
+            uvicorn.Config(
+                app, lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30
+            )
+        )
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the
         # listener says so (proto 0 would leave Nagle on: ~40 ms per reused connection).
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -74,8 +77,9 @@ class InLoopServer(uvicorn.Server):
     async def start(self) -> InLoopServer:
         self._task = asyncio.create_task(self.serve(sockets=[self.sock]))
         ready = asyncio.ensure_future(self._ready.wait())
-        done, _ = await asyncio.wait({ready, self._task}, timeout=WAIT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {ready, self._task}, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED
+        )
         if ready not in done:
             ready.cancel()
             raise RuntimeError(f"server at {self.url} did not start")

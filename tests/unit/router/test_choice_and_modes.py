@@ -33,8 +33,9 @@ async def test_concurrent_requests_spread_over_d(cluster: MakeCluster) -> None:
     c = await cluster(1, 2)
     gate = asyncio.Event()
     c.d[0].gate = c.d[1].gate = gate
-    tasks = [asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
-             for _ in range(4)]
+    tasks = [
+        asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION)) for _ in range(4)
+    ]
     await c.d[0].wait_for(2, "2 of 4 concurrent requests at d0")
     await c.d[1].wait_for(2, "2 of 4 concurrent requests at d1")
     gate.set()
@@ -115,8 +116,7 @@ async def test_health_endpoint(cluster: MakeCluster) -> None:
     c = await cluster(1, 2)
     r = await c.client.get("/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "mode": "push", "prefill_eligible": 1,
-                        "decode_eligible": 2}
+    assert r.json() == {"status": "ok", "mode": "push", "prefill_eligible": 1, "decode_eligible": 2}
     for d in c.d:
         d.healthy = False
     await c.check_health()

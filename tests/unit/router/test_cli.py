@@ -25,12 +25,25 @@ def _closed_port() -> int:
 
 def test_main_serves_and_prints_nothing_to_stdout() -> None:
     dead = f"http://127.0.0.1:{_closed_port()}"
-    code = ("import sys; from connector.router import main; "
-            "sys.exit(main(sys.argv[1:]))")
+    code = "import sys; from connector.router import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, "--prefill", dead, "--decode", dead, "--port", "0",
-         "--health-timeout", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd())
+        [
+            sys.executable,
+            "-c",
+            code,
+            "--prefill",
+            dead,
+            "--decode",
+            dead,
+            "--port",
+            "0",
+            "--health-timeout",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=os.getcwd(),
+    )
     try:
         assert proc.stderr is not None
         sel = selectors.DefaultSelector()

@@ -20,23 +20,33 @@ COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 8}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.mark.parametrize(("path", "raw", "needle"), [
-    ("/v1/completions", b"{not json", "not valid JSON"),
-    ("/v1/completions", b"[1, 2]", "JSON object"),
-    ("/v1/completions", b'"prompt"', "JSON object"),
-    ("/v1/completions", json.dumps({"model": "m"}).encode(), "'prompt'"),
-    ("/v1/chat/completions", json.dumps({"model": "m", "prompt": "x"}).encode(), "'messages'"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "messages": []}).encode(), "non-empty"),
-    ("/v1/completions", json.dumps({**COMPLETION, "kv_transfer_params": {}}).encode(),
-     "kv_transfer_params"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "kv_transfer_params": {"x": 1}}).encode(),
-     "kv_transfer_params"),
-    ("/v1/completions", json.dumps({**COMPLETION, "prompt": ["a", "b"]}).encode(), "batched"),
-    ("/v1/completions", json.dumps({**COMPLETION, "n": 2}).encode(), "n > 1"),
-    ("/v1/completions", json.dumps({**COMPLETION, "stream": "yes"}).encode(), "boolean"),
-])
-async def test_bad_bodies_are_400_and_never_forwarded(cluster: MakeCluster, path: str, raw: bytes,
-                                                      needle: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "raw", "needle"),
+    [
+        ("/v1/completions", b"{not json", "not valid JSON"),
+        ("/v1/completions", b"[1, 2]", "JSON object"),
+        ("/v1/completions", b'"prompt"', "JSON object"),
+        ("/v1/completions", json.dumps({"model": "m"}).encode(), "'prompt'"),
+        ("/v1/chat/completions", json.dumps({"model": "m", "prompt": "x"}).encode(), "'messages'"),
+        ("/v1/chat/completions", json.dumps({**CHAT, "messages": []}).encode(), "non-empty"),
+        (
+            "/v1/completions",
+            json.dumps({**COMPLETION, "kv_transfer_params": {}}).encode(),
+            "kv_transfer_params",
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps({**CHAT, "kv_transfer_params": {"x": 1}}).encode(),
+            "kv_transfer_params",
+        ),
+        ("/v1/completions", json.dumps({**COMPLETION, "prompt": ["a", "b"]}).encode(), "batched"),
+        ("/v1/completions", json.dumps({**COMPLETION, "n": 2}).encode(), "n > 1"),
+        ("/v1/completions", json.dumps({**COMPLETION, "stream": "yes"}).encode(), "boolean"),
+    ],
+)
+async def test_bad_bodies_are_400_and_never_forwarded(
+    cluster: MakeCluster, path: str, raw: bytes, needle: str
+) -> None:
     c = await cluster()
     r = await c.client.post(path, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
@@ -126,8 +136,13 @@ async def test_d_timeout_is_504(cluster: MakeCluster) -> None:
 async def test_d_error_status_is_passed_through(cluster: MakeCluster) -> None:
     def d_refuses(_ps: list[MockBackend], ds: list[MockBackend]) -> None:
         ds[0].fail_first_n, ds[0].error_status = 1, 400
-        ds[0].error_body = {"error": {"message": "This model's maximum context length is 8",
-                                      "type": "BadRequestError", "code": 400}}
+        ds[0].error_body = {
+            "error": {
+                "message": "This model's maximum context length is 8",
+                "type": "BadRequestError",
+                "code": 400,
+            }
+        }
 
     c = await cluster(setup=d_refuses)
     c.p[0].gate = asyncio.Event()  # P still working when D refuses

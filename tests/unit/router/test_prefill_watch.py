@@ -30,8 +30,10 @@ async def test_p_failing_mid_await_interrupts_it() -> None:
 def _no_cancel_scopes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make relay's cancel scope fail: the plain-await path must not open one (a scope per
     streamed chunk was ~30 % of the router's CPU)."""
+
     def boom() -> None:
         raise AssertionError("a cancel scope was opened")
+
     monkeypatch.setattr(relay, "anyio", SimpleNamespace(CancelScope=boom))
 
 

@@ -42,11 +42,21 @@ def test_choose_skips_ineligible() -> None:
     assert "no healthy prefill server" in (unavailable_reason([down], [healthy(0)]) or "")
 
 
-@given(st.lists(st.tuples(st.sampled_from(list(Health)), st.booleans(),
-                          st.integers(0, 5), st.integers(0, 5)), max_size=6))
-def test_choose_is_a_least_loaded_eligible_backend(rows: list[tuple[Health, bool, int, int]]) -> None:
-    loads = [BackendLoad(i, health=h, ready=r, outstanding=o, dispatched=o + d)
-             for i, (h, r, o, d) in enumerate(rows)]
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(Health)), st.booleans(), st.integers(0, 5), st.integers(0, 5)
+        ),
+        max_size=6,
+    )
+)
+def test_choose_is_a_least_loaded_eligible_backend(
+    rows: list[tuple[Health, bool, int, int]],
+) -> None:
+    loads = [
+        BackendLoad(i, health=h, ready=r, outstanding=o, dispatched=o + d)
+        for i, (h, r, o, d) in enumerate(rows)
+    ]
     picked = choose(loads)
     pool = [b for b in loads if b.eligible] or [b for b in loads if b.fallback]
     if not pool:
@@ -88,8 +98,9 @@ def test_leg_counting() -> None:
 
 def test_unavailable_reason() -> None:
     assert unavailable_reason([healthy(0)], [healthy(0)]) is None
-    reason = unavailable_reason([BackendLoad(0, health=Health.HEALTHY, ready=False)],
-                                [BackendLoad(0, health=Health.DOWN)])
+    reason = unavailable_reason(
+        [BackendLoad(0, health=Health.HEALTHY, ready=False)], [BackendLoad(0, health=Health.DOWN)]
+    )
     assert reason is not None
     assert "no healthy prefill server (prefill[0]=healthy (not probed))" in reason
     assert "no healthy decode server (decode[0]=down)" in reason
@@ -106,8 +117,12 @@ def test_new_traceparent() -> None:
     incoming = "00-" + "1" * 32 + "-" + "2" * 16 + "-00"
     m = TP.match(legs.new_traceparent(incoming))
     assert m and m[1] == "1" * 32 and m[2] != "2" * 16
-    for bad in ("garbage", "00-" + "0" * 32 + "-" + "2" * 16 + "-01",
-                "ff-" + "1" * 32 + "-" + "2" * 16 + "-01", "00-" + "1" * 31 + "-" + "2" * 16 + "-01"):
+    for bad in (
+        "garbage",
+        "00-" + "0" * 32 + "-" + "2" * 16 + "-01",
+        "ff-" + "1" * 32 + "-" + "2" * 16 + "-01",
+        "00-" + "1" * 31 + "-" + "2" * 16 + "-01",
+    ):
         m = TP.match(legs.new_traceparent(bad))
         assert m and m[1] != "1" * 32 and m[1] != "0" * 32
 
@@ -121,23 +136,56 @@ def test_request_id_from() -> None:
 
 def test_pull_and_probe_parsing() -> None:
     coords = legs.parse_probe_response(
-        {"kv_transfer_params": {"pushkv": {"engine_id": "e", "host": "h", "port": 1, "tp_size": 2}}})
+        {"kv_transfer_params": {"pushkv": {"engine_id": "e", "host": "h", "port": 1, "tp_size": 2}}}
+    )
     assert coords == PrefillCoords("e", "h", 1, 2)
-    for bad in ({}, {"kv_transfer_params": None}, {"kv_transfer_params": {"pushkv": {"engine_id": "e"}}},
-                {"kv_transfer_params": {"pushkv": {"engine_id": "e", "host": "h", "port": 0,
-                                                   "tp_size": 1}}},
-                {"kv_transfer_params": {"pushkv": {"engine_id": "e", "host": "h", "port": "1",
-                                                   "tp_size": 1}}}):
+    for bad in (
+        {},
+        {"kv_transfer_params": None},
+        {"kv_transfer_params": {"pushkv": {"engine_id": "e"}}},
+        {
+            "kv_transfer_params": {
+                "pushkv": {"engine_id": "e", "host": "h", "port": 0, "tp_size": 1}
+            }
+        },
+        {
+            "kv_transfer_params": {
+                "pushkv": {"engine_id": "e", "host": "h", "port": "1", "tp_size": 1}
+            }
+        },
+    ):
         with pytest.raises(RemoteProtocolError):
             legs.parse_probe_response(bad)
-    full = legs.parse_probe_response({"kv_transfer_params": {"pushkv": {
-        "engine_id": "e", "host": "h", "port": 1, "tp_size": 2, "ports": [1, 3],
-        "agents": ["a0", "a1"]}}})
+    full = legs.parse_probe_response(
+        {
+            "kv_transfer_params": {
+                "pushkv": {
+                    "engine_id": "e",
+                    "host": "h",
+                    "port": 1,
+                    "tp_size": 2,
+                    "ports": [1, 3],
+                    "agents": ["a0", "a1"],
+                }
+            }
+        }
+    )
     assert (full.ports, full.agents) == ((1, 3), ("a0", "a1"))
     for bad_lists in ({"ports": [1]}, {"agents": ["a0"]}, {"ports": [1, 0]}, {"agents": "a0a1"}):
         with pytest.raises(RemoteProtocolError):
-            legs.parse_probe_response({"kv_transfer_params": {"pushkv": {
-                "engine_id": "e", "host": "h", "port": 1, "tp_size": 2, **bad_lists}}})
+            legs.parse_probe_response(
+                {
+                    "kv_transfer_params": {
+                        "pushkv": {
+                            "engine_id": "e",
+                            "host": "h",
+                            "port": 1,
+                            "tp_size": 2,
+                            **bad_lists,
+                        }
+                    }
+                }
+            )
     assert legs.parse_models_response({"data": [{"id": "m"}]}) == "m"
     with pytest.raises(RemoteProtocolError):
         legs.parse_models_response({"data": []})
@@ -151,13 +199,24 @@ def test_decode_body_needs_its_inputs() -> None:
 
 
 def test_prefill_body_does_not_touch_the_client_body() -> None:
-    body = {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {"a": 1},
-            "extra": {"nested": [1]}}
-    out = legs.prefill_body(Mode.PUSH, legs.Endpoint.COMPLETIONS, body, transfer_id="t",
-                            traceparent="tp")
+    body = {
+        "prompt": "x",
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"a": 1},
+        "extra": {"nested": [1]},
+    }
+    out = legs.prefill_body(
+        Mode.PUSH, legs.Endpoint.COMPLETIONS, body, transfer_id="t", traceparent="tp"
+    )
     out["extra"]["nested"].append(2)
-    assert body == {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {"a": 1},
-                    "extra": {"nested": [1]}}
+    assert body == {
+        "prompt": "x",
+        "max_tokens": 9,
+        "stream": True,
+        "stream_options": {"a": 1},
+        "extra": {"nested": [1]},
+    }
     assert "max_completion_tokens" not in out  # only set for chat, and only if present
 
 
@@ -165,8 +224,9 @@ def test_prefill_body_does_not_touch_the_client_body() -> None:
 
 
 def test_parse_args_defaults() -> None:
-    cfg = parse_args(["--prefill", "http://p:1/", "--decode", "http://d:2", "http://d:3",
-                      "--port", "9000"])
+    cfg = parse_args(
+        ["--prefill", "http://p:1/", "--decode", "http://d:2", "http://d:3", "--port", "9000"]
+    )
     assert cfg.prefill_urls == ("http://p:1",) and cfg.decode_urls == ("http://d:2", "http://d:3")
     assert (cfg.mode, cfg.host, cfg.port) == (Mode.PUSH, "127.0.0.1", 9000)
     assert (cfg.timeout_s, cfg.connect_timeout_s, cfg.health_interval_s) == (300.0, 5.0, 2.0)
@@ -174,25 +234,57 @@ def test_parse_args_defaults() -> None:
 
 
 def test_parse_args_overrides_broadcast_or_per_prefill() -> None:
-    cfg = parse_args(["--prefill", "http://p:1", "http://p:2", "--decode", "http://d:2",
-                      "--port", "1", "--prefill-kv-host", "10.0.0.1",
-                      "--prefill-engine-id", "a", "b", "--mode", "vllm-push",
-                      "--prefill-kv-port", "5600", "5601"])
+    cfg = parse_args(
+        [
+            "--prefill",
+            "http://p:1",
+            "http://p:2",
+            "--decode",
+            "http://d:2",
+            "--port",
+            "1",
+            "--prefill-kv-host",
+            "10.0.0.1",
+            "--prefill-engine-id",
+            "a",
+            "b",
+            "--mode",
+            "vllm-push",
+            "--prefill-kv-port",
+            "5600",
+            "5601",
+        ]
+    )
     assert cfg.mode is Mode.VLLM_PUSH
-    assert cfg.prefill_overrides == (CoordOverride("a", "10.0.0.1", 5600, 1),
-                                     CoordOverride("b", "10.0.0.1", 5601, 1))
+    assert cfg.prefill_overrides == (
+        CoordOverride("a", "10.0.0.1", 5600, 1),
+        CoordOverride("b", "10.0.0.1", 5601, 1),
+    )
 
 
-@pytest.mark.parametrize("extra", [
-    ["--prefill-engine-id", "a", "b", "c"],  # 3 values for 2 URLs
-    ["--mode", "vllm-push", "--prefill-engine-id", "a"],  # no host/port
-    ["--mode", "nope"],
-    ["--timeout", "0"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--prefill-engine-id", "a", "b", "c"],  # 3 values for 2 URLs
+        ["--mode", "vllm-push", "--prefill-engine-id", "a"],  # no host/port
+        ["--mode", "nope"],
+        ["--timeout", "0"],
+    ],
+)
 def test_parse_args_rejects(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        parse_args(["--prefill", "http://p:1", "http://p:2", "--decode", "http://d:2",
-                    "--port", "1", *extra])
+        parse_args(
+            [
+                "--prefill",
+                "http://p:1",
+                "http://p:2",
+                "--decode",
+                "http://d:2",
+                "--port",
+                "1",
+                *extra,
+            ]
+        )
     assert exc.value.code == 2
     assert capsys.readouterr().out == ""  # errors go to stderr
 
@@ -203,11 +295,17 @@ def test_config_validation() -> None:
     with pytest.raises(ConfigError):
         RouterConfig(prefill_urls=("p:1",), decode_urls=("http://d",))
     with pytest.raises(ConfigError):
-        RouterConfig(prefill_urls=("http://p",), decode_urls=("http://d",),
-                     prefill_overrides=(CoordOverride(), CoordOverride()))
+        RouterConfig(
+            prefill_urls=("http://p",),
+            decode_urls=("http://d",),
+            prefill_overrides=(CoordOverride(), CoordOverride()),
+        )
     with pytest.raises(ConfigError):
-        RouterConfig(prefill_urls=("http://p",), decode_urls=("http://d",),
-                     prefill_overrides=(CoordOverride(port=70000),))
+        RouterConfig(
+            prefill_urls=("http://p",),
+            decode_urls=("http://d",),
+            prefill_overrides=(CoordOverride(port=70000),),
+        )
 
 
 def test_override_apply() -> None:
@@ -217,7 +315,9 @@ def test_override_apply() -> None:
     assert CoordOverride(host="x").apply(None) is None
     assert CoordOverride(host="x", tp_size=4).apply(probed) == PrefillCoords("e", "x", 1, 4)
     ranked = PrefillCoords("e", "h", 1, 2, ports=(1, 5), agents=("e0", "e1"))
-    assert CoordOverride(host="x").apply(ranked) == PrefillCoords("e", "x", 1, 2, (1, 5), ("e0", "e1"))
+    assert CoordOverride(host="x").apply(ranked) == PrefillCoords(
+        "e", "x", 1, 2, (1, 5), ("e0", "e1")
+    )
     assert CoordOverride(port=9).apply(ranked) == PrefillCoords("e", "h", 9, 2, (), ("e0", "e1"))
     assert CoordOverride(engine_id="f").apply(ranked) == PrefillCoords("f", "h", 1, 2, (1, 5), ())
     assert CoordOverride(tp_size=4).apply(ranked) == PrefillCoords("e", "h", 1, 4)

@@ -24,9 +24,11 @@ async def test_both_legs_are_in_flight_at_once(cluster: MakeCluster) -> None:
     # Each mock answers only once the other's leg has arrived: a router that sends one leg
     # after the other's answer deadlocks here, whichever it sends first.
     p.gate, d.gate = d.arrived, p.arrived
-    r = await within(c.client.post("/v1/completions", json=COMPLETION),
-                     "the answer: P waits for D's leg and D for P's, so the router did not "
-                     "send both legs at the same time")
+    r = await within(
+        c.client.post("/v1/completions", json=COMPLETION),
+        "the answer: P waits for D's leg and D for P's, so the router did not "
+        "send both legs at the same time",
+    )
     assert r.status_code == 200, r.text
 
 
@@ -39,14 +41,31 @@ async def test_leg_bodies_and_shared_ids(cluster: MakeCluster) -> None:
     tp = pseen.headers["traceparent"]
     assert re.fullmatch(r"[0-9a-f]{32}", tid)
     assert TRACEPARENT.match(tp)
-    assert pseen.body == {**COMPLETION, "max_tokens": 1, "stream": False, "kv_transfer_params": {
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid,
-        "traceparent": tp}}
+    assert pseen.body == {
+        **COMPLETION,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": tid,
+            "traceparent": tp,
+        },
+    }
     coords = p_coords(0)
-    assert dseen.body == {**COMPLETION, "kv_transfer_params": {
-        "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
-        "remote_engine_id": coords["engine_id"], "remote_host": coords["host"],
-        "remote_port": coords["port"], "remote_tp_size": coords["tp_size"], "traceparent": tp}}
+    assert dseen.body == {
+        **COMPLETION,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": tid,
+            "remote_engine_id": coords["engine_id"],
+            "remote_host": coords["host"],
+            "remote_port": coords["port"],
+            "remote_tp_size": coords["tp_size"],
+            "traceparent": tp,
+        },
+    }
     assert dseen.headers["traceparent"] == tp
     rid = pseen.headers["x-request-id"]
     assert dseen.headers["x-request-id"] == rid == r.headers["x-request-id"]
@@ -68,8 +87,11 @@ async def test_transfer_id_is_fresh_per_request(cluster: MakeCluster) -> None:
 async def test_client_request_id_and_trace_id_are_kept(cluster: MakeCluster) -> None:
     c = await cluster()
     incoming = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
-    r = await c.client.post("/v1/completions", json=COMPLETION,
-                            headers={"X-Request-Id": "client-42", "traceparent": incoming})
+    r = await c.client.post(
+        "/v1/completions",
+        json=COMPLETION,
+        headers={"X-Request-Id": "client-42", "traceparent": incoming},
+    )
     assert r.status_code == 200
     for seen in (c.p[0].requests[0], c.d[0].requests[0]):
         assert seen.headers["x-request-id"] == "client-42"
@@ -81,9 +103,14 @@ async def test_client_request_id_and_trace_id_are_kept(cluster: MakeCluster) -> 
 
 async def test_chat_prefill_leg_is_one_token_and_not_streamed(cluster: MakeCluster) -> None:
     c = await cluster()
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "max_completion_tokens": 50, "stream_options": {"include_usage": True},
-            "min_tokens": 4}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_completion_tokens": 50,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 4,
+    }
     async with c.client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         await r.aread()
@@ -99,8 +126,13 @@ async def test_probe_learns_coordinates(cluster: MakeCluster) -> None:
     c = await cluster(2, 1)
     for i, p in enumerate(c.p):
         (probe,) = p.probes
-        assert probe.body == {"model": f"p{i}-model", "prompt": "probe", "max_tokens": 1,
-                              "stream": False, "kv_transfer_params": {"pushkv_probe": True}}
+        assert probe.body == {
+            "model": f"p{i}-model",
+            "prompt": "probe",
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"pushkv_probe": True},
+        }
     stats = (await c.client.get("/router/stats")).json()
     assert [s["coords"] for s in stats["prefill"]] == [p_coords(0), p_coords(1)]
 
@@ -111,8 +143,12 @@ async def test_full_override_skips_the_probe(cluster: MakeCluster) -> None:
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
     assert c.p[0].probes == []
     kv = c.d_kv()
-    assert (kv["remote_engine_id"], kv["remote_host"], kv["remote_port"],
-            kv["remote_tp_size"]) == ("flag-engine", "192.168.1.9", 7777, 2)
+    assert (kv["remote_engine_id"], kv["remote_host"], kv["remote_port"], kv["remote_tp_size"]) == (
+        "flag-engine",
+        "192.168.1.9",
+        7777,
+        2,
+    )
 
 
 async def test_partial_override_merges_with_the_probe(cluster: MakeCluster) -> None:
@@ -166,18 +202,26 @@ async def test_vllm_push_mode_legs(cluster: MakeCluster) -> None:
     c = await cluster(mode=Mode.VLLM_PUSH, prefill_overrides=(o,))
     p, d = c.p[0], c.d[0]
     p.gate, d.gate = d.arrived, p.arrived  # concurrent here too
-    r = await within(c.client.post("/v1/completions", json=COMPLETION,
-                                   headers={"X-Request-Id": "abc123"}),
-                     "both legs in vllm-push mode (sent one after the other?)")
+    r = await within(
+        c.client.post("/v1/completions", json=COMPLETION, headers={"X-Request-Id": "abc123"}),
+        "both legs in vllm-push mode (sent one after the other?)",
+    )
     assert r.status_code == 200
     assert p.probes == []
     assert c.p_kv() == {"do_remote_decode": True, "do_remote_prefill": False}
     assert p.requests[0].body["max_tokens"] == 1 and p.requests[0].body["stream"] is False
     kv = c.d_kv()
     assert re.fullmatch(r"xfer-[0-9a-f-]{36}", kv.pop("transfer_id"))
-    assert kv == {"do_remote_decode": False, "do_remote_prefill": True,
-                  "remote_engine_id": "vllm-p", "remote_host": "10.1.1.1", "remote_port": 5557,
-                  "tp_size": 1, "pp_size": 1, "remote_request_id": "abc123"}
+    assert kv == {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": "vllm-p",
+        "remote_host": "10.1.1.1",
+        "remote_port": 5557,
+        "tp_size": 1,
+        "pp_size": 1,
+        "remote_request_id": "abc123",
+    }
     assert p.requests[0].headers["x-request-id"] == d.requests[0].headers["x-request-id"]
 
 
@@ -197,14 +241,23 @@ async def test_d_answer_first_leaves_p_to_finish_in_background(cluster: MakeClus
 
 async def test_per_rank_ports_and_agents_reach_d(cluster: MakeCluster) -> None:
     def two_ranks(ps: list, _ds: list) -> None:
-        ps[0].coords = {"engine_id": "p0", "host": "10.0.0.1", "port": 5600, "tp_size": 2,
-                        "ports": [5600, 5611], "agents": ["p0-tp0-abc", "p0-tp1-abc"]}
+        ps[0].coords = {
+            "engine_id": "p0",
+            "host": "10.0.0.1",
+            "port": 5600,
+            "tp_size": 2,
+            "ports": [5600, 5611],
+            "agents": ["p0-tp0-abc", "p0-tp1-abc"],
+        }
 
     c = await cluster(setup=two_ranks)
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
     kv = c.d_kv()
     assert (kv["remote_tp_size"], kv["remote_ports"], kv["remote_agents"]) == (
-        2, [5600, 5611], ["p0-tp0-abc", "p0-tp1-abc"])
+        2,
+        [5600, 5611],
+        ["p0-tp0-abc", "p0-tp1-abc"],
+    )
 
 
 async def test_legs_parse_with_the_connectors_schema(cluster: MakeCluster) -> None:
@@ -212,8 +265,14 @@ async def test_legs_parse_with_the_connectors_schema(cluster: MakeCluster) -> No
     kv_params = pytest.importorskip("connector.kv_params")
 
     def two_ranks(ps: list, _ds: list) -> None:
-        ps[0].coords = {"engine_id": "p0", "host": "10.0.0.1", "port": 5600, "tp_size": 2,
-                        "ports": [5600, 5611], "agents": ["p0-tp0-x", "p0-tp1-x"]}
+        ps[0].coords = {
+            "engine_id": "p0",
+            "host": "10.0.0.1",
+            "port": 5600,
+            "tp_size": 2,
+            "ports": [5600, 5611],
+            "agents": ["p0-tp0-x", "p0-tp1-x"],
+        }
 
     c = await cluster(setup=two_ranks)
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200

@@ -30,8 +30,10 @@ async def test_chunks_arrive_before_d_finishes(cluster: MakeCluster) -> None:
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-request-id"] == c.d[0].requests[0].headers["x-request-id"]
         chunks = r.aiter_raw()
-        first = await within(anext(chunks), "the first chunk while D is still generating "
-                                            "(the router buffers the stream?)")
+        first = await within(
+            anext(chunks),
+            "the first chunk while D is still generating (the router buffers the stream?)",
+        )
         assert first == CHUNKS[0]
         c.d[0].stream_gate.set()
         rest = b"".join([chunk async for chunk in chunks])
@@ -71,7 +73,9 @@ async def test_d_crash_mid_stream_ends_stream_with_error(cluster: MakeCluster) -
     events = sse_events(raw)
     assert events[0].startswith('{"choices"')
     err = json.loads(events[1])["error"]
-    assert err["code"] == 502 and "decode" in err["message"] and c.d_servers[0].url in err["message"]
+    assert (
+        err["code"] == 502 and "decode" in err["message"] and c.d_servers[0].url in err["message"]
+    )
     assert events[-1] == "[DONE]"
     stats = (await c.client.get("/router/stats")).json()
     assert stats["decode"][0]["health"] == "suspect" and stats["decode"][0]["failed"] == 1
@@ -116,8 +120,10 @@ async def test_client_leaving_before_headers_cancels_both_legs(cluster: MakeClus
 async def test_many_concurrent_streams(cluster: MakeCluster) -> None:
     c = await cluster(2, 2)
     limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(base_url=c.router.url, limits=limits, timeout=30,
-                                 trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=c.router.url, limits=limits, timeout=30, trust_env=False
+    ) as client:
+
         async def one() -> bytes:
             async with client.stream("POST", "/v1/completions", json=STREAM) as r:
                 assert r.status_code == 200

@@ -27,11 +27,14 @@ def span_id_of(traceparent: str) -> int:
 async def test_push_request_tree_and_leg_parents(cluster: MakeCluster) -> None:
     rec = Recorder()
     c = await cluster(tracer=rec.tracer)
-    r = await c.client.post("/v1/completions", json={**COMPLETION, "stream": True},
-                            headers={"traceparent": INCOMING})
+    r = await c.client.post(
+        "/v1/completions", json={**COMPLETION, "stream": True}, headers={"traceparent": INCOMING}
+    )
     assert r.status_code == 200, r.text
-    assert rec.names() == sorted(s.value for s in (
-        Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE))
+    assert rec.names() == sorted(
+        s.value
+        for s in (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE)
+    )
     root = rec.one(Span.REQUEST)
     assert root.kind is SpanKind.SERVER and root.context.trace_id == int("ab" * 16, 16)
     assert root.parent is not None and root.parent.span_id == int("cd" * 8, 16)  # the client's
@@ -67,7 +70,8 @@ async def test_usage_numbers_land_on_the_root(cluster: MakeCluster) -> None:
         usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
         ds[0].chunks = [b'data: {"choices":[{"text":"a"}]}\n\n'] * 3 + [
             b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n",
-            b"data: [DONE]\n\n"]
+            b"data: [DONE]\n\n",
+        ]
 
     c = await cluster(tracer=rec.tracer, setup=setup)
     r = await c.client.post("/v1/completions", json={**COMPLETION, "stream": True})
@@ -118,14 +122,15 @@ def test_token_events_split_across_chunks_count_once() -> None:
     trace = RequestTrace(rec.tracer, None, mode="push", endpoint="completions")
     body = b'data: {"choices":[{"text":"a"}]}\n\n' * 5 + b"data: [DONE]\n\n"
     for i in range(0, len(body), 5):  # every event split somewhere
-        trace.sent(body[i:i + 5], stream=True)
+        trace.sent(body[i : i + 5], stream=True)
     assert trace.token_events == 5
     trace.end(200)
     assert rec.one(Span.REQUEST).attributes[Attr.OUTPUT_TOKENS.value] == 5
 
 
 async def test_unsampled_request_tells_both_legs_not_to_sample(
-        cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
+    cluster: MakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
     rec = Recorder(sampler=ALWAYS_OFF)

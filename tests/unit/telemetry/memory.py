@@ -26,7 +26,9 @@ class Recorder:
 
     def one(self, name: Span) -> ReadableSpan:
         found = self.named(name)
-        assert len(found) == 1, f"{name.value}: {len(found)} spans, want 1: {[s.name for s in self.spans()]}"
+        assert len(found) == 1, (
+            f"{name.value}: {len(found)} spans, want 1: {[s.name for s in self.spans()]}"
+        )
         return found[0]
 
     def names(self) -> list[str]:

@@ -17,8 +17,11 @@ from tests.fixtures.traces import HERE, run_dirs
 # requests: traces with the router's request span (a real run may also hold probes' traces)
 ALL = [(d, t) for d in run_dirs() for t in read_run(d).traces if t.first(Span.REQUEST.value)]
 # successful push requests: every boundary should have been observed
-OK_PUSH = [(d, t) for d, t in ALL
-           if (p := critical_path(t)) is not None and p.model == "push" and p.ttft_ns is not None]
+OK_PUSH = [
+    (d, t)
+    for d, t in ALL
+    if (p := critical_path(t)) is not None and p.model == "push" and p.ttft_ns is not None
+]
 
 
 def _path(t: Trace) -> CriticalPath:
@@ -29,7 +32,11 @@ def _path(t: Trace) -> CriticalPath:
 
 def _by_outcome(run: str, outcome: str) -> list[Trace]:
     traces = read_run(HERE / run).traces
-    return [t for t in traces if (r := t.first(Span.REQUEST.value)) and r.attr(Attr.OUTCOME.value) == outcome]
+    return [
+        t
+        for t in traces
+        if (r := t.first(Span.REQUEST.value)) and r.attr(Attr.OUTCOME.value) == outcome
+    ]
 
 
 @pytest.mark.parametrize("run_dir, trace", ALL, ids=[f"{d.name}-{t.trace_id[:8]}" for d, t in ALL])
@@ -54,7 +61,9 @@ def test_segments_are_consecutive_and_sum_to_ttft(run_dir: Path, trace: Trace) -
     assert len(negatives) == sum("negative gap" in a for a in path.anomalies)
 
 
-@pytest.mark.parametrize("run_dir, trace", OK_PUSH, ids=[f"{d.name}-{t.trace_id[:8]}" for d, t in OK_PUSH])
+@pytest.mark.parametrize(
+    "run_dir, trace", OK_PUSH, ids=[f"{d.name}-{t.trace_id[:8]}" for d, t in OK_PUSH]
+)
 def test_successful_push_requests_are_fully_measured(run_dir: Path, trace: Trace) -> None:
     path = _path(trace)
     assert [s.name for s in path.segments] == list(PUSH_SEGMENTS)
@@ -83,8 +92,11 @@ def test_tp2_uses_the_rank_whose_write_ends_last() -> None:
         path = _path(t)
         last = max(t.named(Span.WRITE.value), key=lambda w: w.end_ns)
         assert path.critical_tp_rank == last.attr(Attr.TP_RANK.value)
-        prefill = next(p for p in t.named(Span.PREFILL.value)
-                       if p.attr(Attr.TP_RANK.value) == path.critical_tp_rank)
+        prefill = next(
+            p
+            for p in t.named(Span.PREFILL.value)
+            if p.attr(Attr.TP_RANK.value) == path.critical_tp_rank
+        )
         assert next(s for s in path.segments if s.name is Seg.P_PREFILL).end_ns == prefill.end_ns
         seen_ranks.add(path.critical_tp_rank)
         assert any(m.label.startswith("write.end (tp_rank") for m in path.marks)
@@ -121,6 +133,7 @@ def test_pull_mode_uses_router_spans_only() -> None:
 
 # ---- edited copies of a recorded request -------------------------------------------------
 
+
 def _ok_push_trace() -> Trace:
     (t, *_) = _by_outcome("gen-push", "ok")
     return t
@@ -132,8 +145,12 @@ def _without(t: Trace, *names: Span) -> Trace:
 
 
 def _replace(t: Trace, name: Span, **changes: object) -> Trace:
-    return Trace(t.trace_id, tuple(dataclasses.replace(sp, **changes) if sp.name == name.value else sp
-                                   for sp in t.spans))
+    return Trace(
+        t.trace_id,
+        tuple(
+            dataclasses.replace(sp, **changes) if sp.name == name.value else sp for sp in t.spans
+        ),
+    )
 
 
 def test_missing_p_spans_become_one_unknown_segment() -> None:
@@ -146,8 +163,16 @@ def test_missing_p_spans_become_one_unknown_segment() -> None:
 
 
 def test_only_router_spans_in_push_mode_is_mostly_unknown() -> None:
-    t = _without(_ok_push_trace(), Span.PREFILL, Span.RENDEZVOUS_WAIT, Span.PREPARE_DESCRIPTORS,
-                 Span.WRITE, Span.REGISTER, Span.AWAIT_KV, Span.FIRST_TOKEN)
+    t = _without(
+        _ok_push_trace(),
+        Span.PREFILL,
+        Span.RENDEZVOUS_WAIT,
+        Span.PREPARE_DESCRIPTORS,
+        Span.WRITE,
+        Span.REGISTER,
+        Span.AWAIT_KV,
+        Span.FIRST_TOKEN,
+    )
     path = critical_path(t, model="push")
     assert path is not None
     assert [s.name for s in path.segments] == [Seg.ROUTER, Seg.UNKNOWN]
@@ -161,8 +186,10 @@ def test_out_of_order_boundary_is_flagged_not_dropped() -> None:
     first_token = t.first(Span.FIRST_TOKEN.value)
     assert write is not None and first_token is not None
     early = write.end_ns - 50_000  # D "scheduled" 50 us before P saw its WRITE done
-    events = tuple(SpanEvent(e.name, early, e.attributes) if e.name == Event.SCHEDULED.value else e
-                   for e in first_token.events)
+    events = tuple(
+        SpanEvent(e.name, early, e.attributes) if e.name == Event.SCHEDULED.value else e
+        for e in first_token.events
+    )
     path = _path(_replace(t, Span.FIRST_TOKEN, events=events))
     notify = next(s for s in path.segments if s.name is Seg.NOTIFY)
     assert notify.negative and notify.duration_ns == -50_000
@@ -178,7 +205,9 @@ def test_retried_prefill_leg_uses_the_last_and_says_so() -> None:
     t = _ok_push_trace()
     leg = t.first(Span.PREFILL_LEG.value)
     assert leg is not None
-    earlier = dataclasses.replace(leg, span_id="f" * 16, start_ns=leg.start_ns - 10, end_ns=leg.start_ns - 5)
+    earlier = dataclasses.replace(
+        leg, span_id="f" * 16, start_ns=leg.start_ns - 10, end_ns=leg.start_ns - 5
+    )
     path = _path(Trace(t.trace_id, (earlier, *t.spans)))
     assert path.segments[0].end_ns == leg.start_ns
     assert any(f"2 {Span.PREFILL_LEG.value} spans" in a for a in path.anomalies)
@@ -194,9 +223,20 @@ def test_missing_mode_attribute_is_inferred_from_spans() -> None:
 
 
 def _span(name: Span, start: int, end: int, **kw: object) -> SpanRecord:
-    base = dict(trace_id="1" * 32, span_id=f"{start:016x}", parent_span_id=None, name=name.value,
-                kind=0, start_ns=start, end_ns=end, status=0, status_message="", attributes={},
-                events=(), resource={})
+    base = dict(
+        trace_id="1" * 32,
+        span_id=f"{start:016x}",
+        parent_span_id=None,
+        name=name.value,
+        kind=0,
+        start_ns=start,
+        end_ns=end,
+        status=0,
+        status_message="",
+        attributes={},
+        events=(),
+        resource={},
+    )
     base.update(kw)
     return SpanRecord(**base)  # type: ignore[arg-type]
 
@@ -206,17 +246,27 @@ def test_request_without_any_child_is_one_unknown_segment() -> None:
     t = Trace("1" * 32, (_span(Span.REQUEST, 100, 900, events=(chunk,)),))
     path = _path(t)
     assert path.model == "router" and path.ttft_ns == 600
-    assert [s.name for s in path.segments] == [Seg.UNKNOWN] and path.segments[0].covers == ROUTER_SEGMENTS
+    assert [s.name for s in path.segments] == [Seg.UNKNOWN] and path.segments[
+        0
+    ].covers == ROUTER_SEGMENTS
 
 
 # the tree of telemetry/schema.py: a span's parent (P's transfer spans hang under the decode
 # leg, or under P's leg when no registration carried D's context)
-PARENTS = {Span.ROUTE: {Span.REQUEST}, Span.PREFILL_LEG: {Span.REQUEST}, Span.DECODE_LEG: {Span.REQUEST},
-           Span.FIRST_BYTE: {Span.DECODE_LEG}, Span.REGISTER: {Span.DECODE_LEG},
-           Span.AWAIT_KV: {Span.DECODE_LEG}, Span.FIRST_TOKEN: {Span.DECODE_LEG},
-           Span.PREFILL: {Span.PREFILL_LEG},
-           **{s: {Span.DECODE_LEG, Span.PREFILL_LEG}
-              for s in (Span.RENDEZVOUS_WAIT, Span.PREPARE_DESCRIPTORS, Span.WRITE)}}
+PARENTS = {
+    Span.ROUTE: {Span.REQUEST},
+    Span.PREFILL_LEG: {Span.REQUEST},
+    Span.DECODE_LEG: {Span.REQUEST},
+    Span.FIRST_BYTE: {Span.DECODE_LEG},
+    Span.REGISTER: {Span.DECODE_LEG},
+    Span.AWAIT_KV: {Span.DECODE_LEG},
+    Span.FIRST_TOKEN: {Span.DECODE_LEG},
+    Span.PREFILL: {Span.PREFILL_LEG},
+    **{
+        s: {Span.DECODE_LEG, Span.PREFILL_LEG}
+        for s in (Span.RENDEZVOUS_WAIT, Span.PREPARE_DESCRIPTORS, Span.WRITE)
+    },
+}
 
 
 @pytest.mark.parametrize("run_dir, trace", ALL, ids=[f"{d.name}-{t.trace_id[:8]}" for d, t in ALL])

@@ -22,13 +22,20 @@ def test_spans_round_trip_as_otlp_json(tmp_path: Path) -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("pushkv")
     with tracer.start_as_current_span(Span.REQUEST.value, kind=SpanKind.SERVER) as root:
-        child = tracer.start_span(Span.WRITE.value, start_time=1_000, attributes={Attr.BYTES.value: 4096})
+        child = tracer.start_span(
+            Span.WRITE.value, start_time=1_000, attributes={Attr.BYTES.value: 4096}
+        )
         child.set_status(StatusCode.ERROR, "lease_expired")
         child.end(end_time=2_000)
     provider.shutdown()
     lines = path.read_text().splitlines()
-    spans = [sp for line in lines for rs in json.loads(line)["resourceSpans"]
-             for ss in rs["scopeSpans"] for sp in ss["spans"]]
+    spans = [
+        sp
+        for line in lines
+        for rs in json.loads(line)["resourceSpans"]
+        for ss in rs["scopeSpans"]
+        for sp in ss["spans"]
+    ]
     by_name = {sp["name"]: sp for sp in spans}
     write, req = by_name[Span.WRITE.value], by_name[Span.REQUEST.value]
     assert write["traceId"] == format(root.get_span_context().trace_id, "032x")
@@ -39,7 +46,11 @@ def test_spans_round_trip_as_otlp_json(tmp_path: Path) -> None:
 
 
 def test_setup_defaults_to_one_file_per_process(tmp_path: Path, monkeypatch) -> None:
-    for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
+    for var in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_SDK_DISABLED",
+    ):
         monkeypatch.delenv(var, raising=False)
     provider = setup_tracing("pushkv-unit", role="router", run_dir=tmp_path, set_global=False)
     provider.get_tracer("t").start_span("x").end()
@@ -86,17 +97,26 @@ def test_fast_encoder_equals_opentelemetry_encoder() -> None:
     other.add_span_processor(SimpleSpanProcessor(memory))
     tracer = provider.get_tracer("pushkv", "1.0")
     remote = parent_context("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", "k=v")
-    with tracer.start_as_current_span(Span.REQUEST.value, kind=SpanKind.SERVER,
-                                      attributes={"b": True, "f": 0.5, "i": 0, "s": "",
-                                                  "seq": [1, 2], "strs": ("a", "b")}) as root:
+    with tracer.start_as_current_span(
+        Span.REQUEST.value,
+        kind=SpanKind.SERVER,
+        attributes={"b": True, "f": 0.5, "i": 0, "s": "", "seq": [1, 2], "strs": ("a", "b")},
+    ) as root:
         root.add_event(Event.FIRST_CHUNK.value, {"n": 1}, timestamp=5)
         root.set_status(StatusCode.ERROR, "boom")
-        emit(tracer, Span.WRITE, parent=remote, start_ns=1, end_ns=2,
-             attributes={Attr.BYTES: 4096, Attr.GBPS: 1.0}, error="write_error")
-        emit(tracer, Span.PREFILL, parent=None, start_ns=3, end_ns=4,
-             events=[(Event.SCHEDULED, 3)])
-        tracer.start_span("linked", links=[Link(root.get_span_context(), {"x": "y"})],
-                          kind=SpanKind.CLIENT).end()
+        emit(
+            tracer,
+            Span.WRITE,
+            parent=remote,
+            start_ns=1,
+            end_ns=2,
+            attributes={Attr.BYTES: 4096, Attr.GBPS: 1.0},
+            error="write_error",
+        )
+        emit(tracer, Span.PREFILL, parent=None, start_ns=3, end_ns=4, events=[(Event.SCHEDULED, 3)])
+        tracer.start_span(
+            "linked", links=[Link(root.get_span_context(), {"x": "y"})], kind=SpanKind.CLIENT
+        ).end()
     other.get_tracer("o").start_span("o", kind=SpanKind.PRODUCER).end()
     spans = memory.get_finished_spans()
     assert len(spans) == 5

@@ -29,12 +29,17 @@ def jaeger(request: pytest.FixtureRequest) -> Iterator[FakeJaeger]:
 
 
 def _has_router(resource: dict) -> bool:
-    return {"key": "service.name", "value": {"stringValue": Service.ROUTER.value}} in resource["attributes"]
+    return {"key": "service.name", "value": {"stringValue": Service.ROUTER.value}} in resource[
+        "attributes"
+    ]
 
 
 def _find_params(server: FakeJaeger) -> list[dict[str, str]]:
-    return [{k: v[0] for k, v in parse_qs(urlparse(p).query).items()}
-            for p in server.requests if urlparse(p).path == "/api/v3/traces"]
+    return [
+        {k: v[0] for k, v in parse_qs(urlparse(p).query).items()}
+        for p in server.requests
+        if urlparse(p).path == "/api/v3/traces"
+    ]
 
 
 def test_time_format_round_trips_nanoseconds() -> None:
@@ -50,12 +55,17 @@ def test_find_traces_returns_what_the_files_hold(jaeger: FakeJaeger) -> None:
     got = client.find_traces(Service.ROUTER.value, EPOCH, limit=10_000)
     # a search by service finds the traces holding a span of it (a D leg sent straight to
     # D has none of the router's)
-    want = {tid: len(sps) for tid, sps in jaeger.spans.items()
-            if any(_has_router(res) for res, _, _ in sps)}
+    want = {
+        tid: len(sps)
+        for tid, sps in jaeger.spans.items()
+        if any(_has_router(res) for res, _, _ in sps)
+    }
     assert {t.trace_id: len(t.spans) for t in got} == want
     params = _find_params(jaeger)[0]
     assert params["query.service_name"] == Service.ROUTER.value
-    assert params["query.start_time_min"].endswith("Z") and params["query.start_time_max"].endswith("Z")
+    assert params["query.start_time_min"].endswith("Z") and params["query.start_time_max"].endswith(
+        "Z"
+    )
     assert params["query.raw_traces"] == "true"  # Jaeger must not shift spans to "fix" skew
 
 
@@ -66,7 +76,11 @@ def test_traces_from_jaeger_equal_traces_from_files(run_dir: Path) -> None:
         got = JaegerClient(server.url).find_traces(Service.ROUTER.value, EPOCH, limit=10_000)
     finally:
         server.stop()
-    files = [t for t in read_run(run_dir).traces if any(sp.service == Service.ROUTER.value for sp in t.spans)]
+    files = [
+        t
+        for t in read_run(run_dir).traces
+        if any(sp.service == Service.ROUTER.value for sp in t.spans)
+    ]
     assert [t.trace_id for t in got] == [t.trace_id for t in files]  # both by start time
     for a, b in zip(got, files, strict=True):
         assert a.spans == b.spans  # one parser, one result
@@ -111,7 +125,9 @@ def test_services(jaeger: FakeJaeger) -> None:
 
 def test_missing_window_is_jaegers_400_with_its_message(jaeger: FakeJaeger) -> None:
     client = JaegerClient(jaeger.url)
-    with pytest.raises(JaegerError, match=r"HTTP 400: query.start_time_min and query.start_time_max are required"):
+    with pytest.raises(
+        JaegerError, match=r"HTTP 400: query.start_time_min and query.start_time_max are required"
+    ):
         client._get("/api/v3/traces", {"query.service_name": "x"})
 
 

@@ -28,9 +28,29 @@ from telemetry.traces import RunFolderError, find_runs, fingerprint, read_run
 from tests.fixtures.traces import run_dirs, run_ids
 
 # Jaeger's snapshot of GetTrace (cmd/jaeger/internal/extension/jaegerquery/internal/apiv3/snapshots)
-JAEGER_SNAPSHOT = {"result": {"resourceSpans": [{"resource": {}, "scopeSpans": [{"scope": {}, "spans": [
-    {"kind": 2, "name": "foobar", "spanId": "0000000000000002", "status": {"code": 2},
-     "traceId": "00000000000000000000000000000001"}]}]}]}}
+JAEGER_SNAPSHOT = {
+    "result": {
+        "resourceSpans": [
+            {
+                "resource": {},
+                "scopeSpans": [
+                    {
+                        "scope": {},
+                        "spans": [
+                            {
+                                "kind": 2,
+                                "name": "foobar",
+                                "spanId": "0000000000000002",
+                                "status": {"code": 2},
+                                "traceId": "00000000000000000000000000000001",
+                            }
+                        ],
+                    }
+                ],
+            }
+        ]
+    }
+}
 
 
 def test_jaeger_snapshot_parses() -> None:
@@ -43,28 +63,76 @@ def test_jaeger_snapshot_parses() -> None:
 def test_any_value_kinds() -> None:
     assert any_value({"intValue": "9007199254740993"}) == 9007199254740993  # > 2**53: stays exact
     assert any_value({"doubleValue": 1.5}) == 1.5 and any_value({"boolValue": True}) is True
-    assert any_value({"arrayValue": {"values": [{"stringValue": "a"}, {"intValue": "2"}]}}) == ["a", 2]
-    assert any_value({"kvlistValue": {"values": [{"key": "k", "value": {"stringValue": "v"}}]}}) == {"k": "v"}
+    assert any_value({"arrayValue": {"values": [{"stringValue": "a"}, {"intValue": "2"}]}}) == [
+        "a",
+        2,
+    ]
+    assert any_value(
+        {"kvlistValue": {"values": [{"key": "k", "value": {"stringValue": "v"}}]}}
+    ) == {"k": "v"}
     assert any_value({}) is None
 
 
 def test_base64_ids_are_accepted_as_hex() -> None:
-    doc = {"resourceSpans": [{"scopeSpans": [{"spans": [{
-        "traceId": base64.b64encode(bytes(range(16))).decode(),
-        "spanId": base64.b64encode(bytes(range(8))).decode(),
-        "name": "x", "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]}
+    doc = {
+        "resourceSpans": [
+            {
+                "scopeSpans": [
+                    {
+                        "spans": [
+                            {
+                                "traceId": base64.b64encode(bytes(range(16))).decode(),
+                                "spanId": base64.b64encode(bytes(range(8))).decode(),
+                                "name": "x",
+                                "startTimeUnixNano": "1",
+                                "endTimeUnixNano": "2",
+                            }
+                        ]
+                    }
+                ]
+            }
+        ]
+    }
     (sp,) = parse_traces_data(doc)
     assert sp.trace_id == bytes(range(16)).hex() and sp.span_id == bytes(range(8)).hex()
 
 
-@pytest.mark.parametrize("doc, words", [
-    ([], "resourceSpans"),
-    ({"resourceSpans": "nope"}, "resourceSpans"),
-    ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "00", "name": "w"}]}]}]},
-     "traceId of span 'w'"),
-    ({"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "0" * 32, "spanId": "0" * 16, "name": "w",
-                                                    "startTimeUnixNano": "soon"}]}]}]}, "startTimeUnixNano"),
-])
+@pytest.mark.parametrize(
+    "doc, words",
+    [
+        ([], "resourceSpans"),
+        ({"resourceSpans": "nope"}, "resourceSpans"),
+        (
+            {
+                "resourceSpans": [
+                    {"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "00", "name": "w"}]}]}
+                ]
+            },
+            "traceId of span 'w'",
+        ),
+        (
+            {
+                "resourceSpans": [
+                    {
+                        "scopeSpans": [
+                            {
+                                "spans": [
+                                    {
+                                        "traceId": "0" * 32,
+                                        "spanId": "0" * 16,
+                                        "name": "w",
+                                        "startTimeUnixNano": "soon",
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                ]
+            },
+            "startTimeUnixNano",
+        ),
+    ],
+)
 def test_malformed_documents_say_what_is_wrong(doc: object, words: str) -> None:
     with pytest.raises(OtlpFormatError, match=words):
         parse_traces_data(doc)  # type: ignore[arg-type]
@@ -72,15 +140,23 @@ def test_malformed_documents_say_what_is_wrong(doc: object, words: str) -> None:
 
 def test_sdk_spans_round_trip_through_our_exporter(tmp_path: Path) -> None:
     exporter = JsonLinesSpanExporter(tmp_path / "traces-pushkv-router-1.jsonl")
-    provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-router",
-                                                        Attr.TP_RANK.value: 3}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": "pushkv-router", Attr.TP_RANK.value: 3})
+    )
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("t")
-    root = tracer.start_span(Span.REQUEST.value, kind=SpanKind.SERVER, start_time=1_000,
-                             attributes={Attr.MODE.value: "push", Attr.INPUT_TOKENS.value: 7})
+    root = tracer.start_span(
+        Span.REQUEST.value,
+        kind=SpanKind.SERVER,
+        start_time=1_000,
+        attributes={Attr.MODE.value: "push", Attr.INPUT_TOKENS.value: 7},
+    )
     root.add_event(Event.FIRST_CHUNK.value, timestamp=1_500, attributes={"n": 1})
     from opentelemetry import trace
-    child = tracer.start_span(Span.WRITE.value, context=trace.set_span_in_context(root), start_time=1_100)
+
+    child = tracer.start_span(
+        Span.WRITE.value, context=trace.set_span_in_context(root), start_time=1_100
+    )
     child.set_status(OtelStatus.ERROR, "write_error")
     child.end(end_time=1_400)
     root.end(end_time=2_000)
@@ -110,7 +186,11 @@ def test_partial_last_line_is_reported_not_raised(tmp_path: Path) -> None:
         fh.write('{"resourceSpans": [{"scopeSp')  # a writer mid-line
     partial = read_run(tmp_path)
     assert len(partial.traces) == len(whole.traces)
-    assert len(partial.problems) == 1 and "not JSON" in partial.problems[0] and victim.name in partial.problems[0]
+    assert (
+        len(partial.problems) == 1
+        and "not JSON" in partial.problems[0]
+        and victim.name in partial.problems[0]
+    )
 
 
 def test_missing_or_empty_folder_is_a_clear_error(tmp_path: Path) -> None:
@@ -147,8 +227,13 @@ def test_every_fixture_run_reads_cleanly(run_dir: Path) -> None:
     run = read_run(run_dir)
     unreadable = [p for p in run.problems if "span id(s) are carried by different spans" not in p]
     assert run.traces and not unreadable
-    raw_spans = sum(len(ss["spans"]) for f in run.files for line in f.read_text().splitlines()
-                    for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"])
+    raw_spans = sum(
+        len(ss["spans"])
+        for f in run.files
+        for line in f.read_text().splitlines()
+        for rs in json.loads(line)["resourceSpans"]
+        for ss in rs["scopeSpans"]
+    )
     assert sum(len(t.spans) for t in run.traces) == raw_spans
     for t in run.traces:
         assert all(sp.trace_id == t.trace_id for sp in t.spans)

@@ -67,7 +67,7 @@ def make_pair(fabric: FakeFabric | None = None, nblocks: int = 16) -> Pair:
 
 
 def blocks_of(buf: np.ndarray, b: int) -> np.ndarray:
-    return buf[b * BLOCK:(b + 1) * BLOCK]
+    return buf[b * BLOCK : (b + 1) * BLOCK]
 
 
 def test_fake_transport_satisfies_the_protocol() -> None:
@@ -133,8 +133,7 @@ def test_notification_drop_duplicate_reorder() -> None:
     pr.fabric.duplicate_notifs(1, prefix=b"REG")
     for msg in (b"HB:1", b"HB:2", b"REG:1"):
         pr.p.send_notif("decode", msg)
-    assert pr.d.get_notifs() == [("prefill", b"HB:2"), ("prefill", b"REG:1"),
-                                 ("prefill", b"REG:1")]
+    assert pr.d.get_notifs() == [("prefill", b"HB:2"), ("prefill", b"REG:1"), ("prefill", b"REG:1")]
     assert (pr.fabric.notifs_dropped, pr.fabric.notifs_duplicated) == (1, 1)
     pr.fabric.reorder_notifs("decode")
     for i in range(3):
@@ -186,12 +185,18 @@ def test_unknown_peer_and_misuse() -> None:
     pr.p.remove_peer("nobody")  # idempotent
 
 
-@pytest.mark.parametrize("src_shape,dst_shape,lens", [
-    ((2, 3), (3, 3), None), ((2, 2), (2, 2), None), ((0, 3), (0, 3), None),
-    ((2, 3), (2, 3), (BLOCK, BLOCK // 2)),
-])
-def test_bad_descriptors_are_our_bug(src_shape: tuple[int, int], dst_shape: tuple[int, int],
-                                     lens: tuple[int, int] | None) -> None:
+@pytest.mark.parametrize(
+    "src_shape,dst_shape,lens",
+    [
+        ((2, 3), (3, 3), None),
+        ((2, 2), (2, 2), None),
+        ((0, 3), (0, 3), None),
+        ((2, 3), (2, 3), (BLOCK, BLOCK // 2)),
+    ],
+)
+def test_bad_descriptors_are_our_bug(
+    src_shape: tuple[int, int], dst_shape: tuple[int, int], lens: tuple[int, int] | None
+) -> None:
     pr = make_pair()
     src = np.zeros(src_shape, dtype=np.uint64)
     dst = np.zeros(dst_shape, dtype=np.uint64)
@@ -287,8 +292,12 @@ def test_register_tensors_maps_cpu_to_dram_and_rejects_vram_in_the_fake() -> Non
     p.register_tensors([_Tensor(a)])
     d.register_tensors([_Tensor(b)])
     p.connect("decode", *d.listen_address, timeout_s=0)
-    h = p.write("decode", np.array([[a.ctypes.data, a.nbytes, 0]], dtype=np.uint64),
-                np.array([[b.ctypes.data, b.nbytes, 0]], dtype=np.uint64), b"t")
+    h = p.write(
+        "decode",
+        np.array([[a.ctypes.data, a.nbytes, 0]], dtype=np.uint64),
+        np.array([[b.ctypes.data, b.nbytes, 0]], dtype=np.uint64),
+        b"t",
+    )
     assert p.poll_write(h) and np.array_equal(a, b)
     with pytest.raises(TransportError):
         p.register_tensors([_Tensor(a, "cuda")])
@@ -300,8 +309,7 @@ def test_any_scatter_lands_exactly_where_asked(data: st.DataObject) -> None:
     n = 32
     pr = make_pair(nblocks=n)
     dst_b = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
-    src_b = data.draw(st.lists(st.integers(0, n - 1), min_size=len(dst_b),
-                               max_size=len(dst_b)))
+    src_b = data.draw(st.lists(st.integers(0, n - 1), min_size=len(dst_b), max_size=len(dst_b)))
     delay = data.draw(st.integers(0, 3))
     pr.fabric.delay_writes(delay)
     h = pr.p.write("decode", rows(pr.src, src_b), rows(pr.dst, dst_b), b"x")

@@ -37,7 +37,7 @@ def feed_all(data: bytes, chunks: list[int] | None = None, cap: int = CAP) -> Fr
     for size in chunks or []:
         if pos >= len(data):
             break
-        got = reader.feed(data[pos:pos + size])
+        got = reader.feed(data[pos : pos + size])
         pos += size
         if got is not None:
             assert pos >= len(data), "a frame came out before all of it was fed"
@@ -52,16 +52,25 @@ def refusal(data: bytes, cap: int = CAP) -> str:
     return drop_reason(info.value)
 
 
-def header(magic: bytes = MAGIC, version: int = VERSION, kind: int = KIND_EXCHANGE,
-           name_len: int = 1, md_len: int = 0) -> bytes:
+def header(
+    magic: bytes = MAGIC,
+    version: int = VERSION,
+    kind: int = KIND_EXCHANGE,
+    name_len: int = 1,
+    md_len: int = 0,
+) -> bytes:
     return HEADER.pack(magic, version, kind, name_len, md_len)
 
 
-@given(name=st.text(min_size=1, max_size=40).filter(lambda n: len(n.encode()) <= MAX_NAME_BYTES),
-       metadata=st.binary(max_size=2048), kind=st.sampled_from([KIND_EXCHANGE, KIND_REPLY]),
-       chunks=st.lists(st.integers(1, 64), max_size=40))
-def test_round_trip_under_any_chunking(name: str, metadata: bytes, kind: int,
-                                       chunks: list[int]) -> None:
+@given(
+    name=st.text(min_size=1, max_size=40).filter(lambda n: len(n.encode()) <= MAX_NAME_BYTES),
+    metadata=st.binary(max_size=2048),
+    kind=st.sampled_from([KIND_EXCHANGE, KIND_REPLY]),
+    chunks=st.lists(st.integers(1, 64), max_size=40),
+)
+def test_round_trip_under_any_chunking(
+    name: str, metadata: bytes, kind: int, chunks: list[int]
+) -> None:
     data = encode_frame(kind, name, metadata, CAP)
     assert feed_all(data, chunks) == Frame(kind, name, metadata)
 
@@ -71,25 +80,28 @@ def test_wanted_counts_down_from_header_to_body() -> None:
     reader = FrameReader()
     assert reader.wanted == HEADER.size
     assert reader.feed(data[:5]) is None and reader.wanted == HEADER.size - 5
-    assert reader.feed(data[5:HEADER.size]) is None and reader.wanted == len("decode") + 10
-    assert reader.feed(data[HEADER.size:-1]) is None and reader.wanted == 1
+    assert reader.feed(data[5 : HEADER.size]) is None and reader.wanted == len("decode") + 10
+    assert reader.feed(data[HEADER.size : -1]) is None and reader.wanted == 1
     assert reader.feed(data[-1:]) == Frame(KIND_REPLY, "decode", b"x" * 10)
 
 
-@pytest.mark.parametrize(("data", "reason"), [
-    (header(magic=b"HTTP"), "bad_magic"),
-    (b"GET / HTTP/1.1\r\n\r\n", "bad_magic"),
-    (header(version=0), "bad_version"),
-    (header(version=VERSION + 1), "bad_version"),
-    (header(kind=0), "bad_kind"),
-    (header(kind=9), "bad_kind"),
-    (header(md_len=CAP + 1), "oversized"),
-    (header(md_len=0xFFFFFFFF), "oversized"),
-    (header(name_len=MAX_NAME_BYTES + 1), "oversized"),
-    (header(name_len=0), "malformed"),
-    (header(name_len=2) + b"\xff\xfe", "malformed"),  # not UTF-8
-    (encode_frame(KIND_EXCHANGE, "p", b"md") + b"trailing", "malformed"),
-])
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (header(magic=b"HTTP"), "bad_magic"),
+        (b"GET / HTTP/1.1\r\n\r\n", "bad_magic"),
+        (header(version=0), "bad_version"),
+        (header(version=VERSION + 1), "bad_version"),
+        (header(kind=0), "bad_kind"),
+        (header(kind=9), "bad_kind"),
+        (header(md_len=CAP + 1), "oversized"),
+        (header(md_len=0xFFFFFFFF), "oversized"),
+        (header(name_len=MAX_NAME_BYTES + 1), "oversized"),
+        (header(name_len=0), "malformed"),
+        (header(name_len=2) + b"\xff\xfe", "malformed"),  # not UTF-8
+        (encode_frame(KIND_EXCHANGE, "p", b"md") + b"trailing", "malformed"),
+    ],
+)
 def test_refusals_carry_their_counter_key(data: bytes, reason: str) -> None:
     assert refusal(data) == reason
 
@@ -113,24 +125,34 @@ def test_arbitrary_bytes_never_raise_anything_else(data: bytes) -> None:
     try:
         reader.feed(data)
     except RemoteProtocolError as exc:
-        assert drop_reason(exc) in {"bad_magic", "bad_version", "bad_kind", "oversized",
-                                    "malformed"}
+        assert drop_reason(exc) in {
+            "bad_magic",
+            "bad_version",
+            "bad_kind",
+            "oversized",
+            "malformed",
+        }
 
 
-@pytest.mark.parametrize(("kind", "name", "metadata"), [
-    (KIND_EXCHANGE, "", b""),  # no name
-    (KIND_EXCHANGE, "n" * (MAX_NAME_BYTES + 1), b""),
-    (7, "p", b""),
-    (KIND_REPLY, "p", b"\0" * (CAP + 1)),
-])
+@pytest.mark.parametrize(
+    ("kind", "name", "metadata"),
+    [
+        (KIND_EXCHANGE, "", b""),  # no name
+        (KIND_EXCHANGE, "n" * (MAX_NAME_BYTES + 1), b""),
+        (7, "p", b""),
+        (KIND_REPLY, "p", b"\0" * (CAP + 1)),
+    ],
+)
 def test_encoding_a_bad_frame_is_our_bug(kind: int, name: str, metadata: bytes) -> None:
     with pytest.raises(LocalProtocolError):
         encode_frame(kind, name, metadata, CAP)
 
 
 def test_module_imports_no_nixl() -> None:
-    code = ("import sys, connector.transport.sidechannel;"
-            "bad=[m for m in sys.modules if m.split('.')[0] in "
-            "('nixl','nixl_cu12','nixl_cu13','torch','numpy')]; assert not bad, bad")
+    code = (
+        "import sys, connector.transport.sidechannel;"
+        "bad=[m for m in sys.modules if m.split('.')[0] in "
+        "('nixl','nixl_cu12','nixl_cu13','torch','numpy')]; assert not bad, bad"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)

@@ -1,0 +1,73 @@
+"""P's rendezvous table: registrations and finished prefills matched by ``transfer_id``.
+
+Owns: P's records (via ``TransferTable``): leases, registration TTLs, write timeouts and
+tombstones. The transitions live in state.py. Pure: no threads, no clocks (``now_ns`` is an
+argument), no vLLM, no NIXL. Called from one thread only (the transfer thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from connector.core import events as ev
+from connector.core.state import (
+    DeadlinePassed,
+    SendCtx,
+    SenderPolicy,
+    SendRecord,
+    SendState,
+    send_transition,
+)
+from connector.core.table import TransferTable
+
+
+def _transfer_id(event: Any) -> str:
+    return event.reg.transfer_id if isinstance(event, ev.Registered) else event.transfer_id
+
+
+class SenderTable(TransferTable[SendRecord]):
+    """Feed events in, get actions out. Remote misbehaviour is dropped and counted."""
+
+    def __init__(
+        self,
+        targets_for: Callable[[int], frozenset[int]],
+        policy: SenderPolicy = SenderPolicy(),
+        max_records: int = 1 << 16,
+    ) -> None:
+        super().__init__()
+        self._targets_for = targets_for
+        self.policy = policy
+        self._max_records = max_records
+
+    def handle(self, event: ev.SenderEvent, now_ns: int) -> list[Any]:
+        tid = _transfer_id(event)
+        if (
+            tid not in self._records
+            and isinstance(event, ev.Registered)
+            and len(self._records) >= self._max_records
+        ):
+            self._drop("table_full", f"{tid}: {len(self._records)} transfers already tracked")
+            return []
+        return self._apply(tid, event, self._transition(now_ns))
+
+    def tick(self, now_ns: int) -> list[Any]:
+        """Fire every deadline that is due; forget tombstones that are old enough."""
+        out: list[Any] = []
+        for tid in self._due(now_ns):
+            out += self._apply(tid, DeadlinePassed(tid), self._transition(now_ns))
+        return out
+
+    def _transition(self, now_ns: int) -> Callable[[Any, Any], tuple[Any, list[Any]]]:
+        ctx = SendCtx(now_ns, self.policy, self._targets_for)
+        return lambda rec, event: send_transition(rec, event, ctx)
+
+    def holding_blocks(self) -> int:
+        """Transfers whose source blocks we still owe the scheduler (has_pending_push_work)."""
+        return sum(1 for r in self._records.values() if r.blocks_held)
+
+    def awaiting_network(self) -> bool:
+        """True when something on the critical path may arrive any moment: poll fast."""
+        return any(
+            r.state in (SendState.PREFILLED, SendState.WRITING) for r in self._records.values()
+        )

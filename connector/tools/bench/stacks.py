@@ -1,0 +1,258 @@
+"""The benchmark's configurations and their P/D/router stacks, plus machine etiquette.
+
+Owns: ``BenchConfig`` and ``CONFIGS`` (every connector configuration the push-vs-pull
+benchmark knows; ``DEFAULT_CONFIGS`` are the five it runs by default, in run order),
+``BenchStack`` (a ``connector.tools.pdstack.PdStack`` that can load a connector class from another
+module and pass extra config, which ``PdStack`` alone cannot: it takes the module path from
+``CONNECTORS`` by class name), the port and process-group checks around each stack, and
+``wait_for_quiet_machine`` (wait until no other vLLM server runs before measuring).
+
+Every configuration gets the same P/D command lines (``PdStack``'s flags, model, seed, KV
+size, ``kv_buffer_device: cpu``, engine ids ``prefill``/``decode``) and the same CPU binding
+(P ``VLLM_CPU_OMP_THREADS_BIND=0``, D ``=1``, and unless ``--no-pin-servers`` each server's
+whole process tree confined to that CPU, as if on a host of its own, pushkv's transfer
+thread included; the router and the ``vllm bench serve`` client are not pinned); only the
+connector, the router mode and the ``bench.*`` switches in ``kv_connector_extra_config``
+differ. Note that vLLM's own NIXL worker re-pins its model runner to the last core unless
+``connector.tools.bench.vllm_keepcpu``'s switch is on.
+
+Must not import vLLM, NIXL or torch (servers are child processes). Needs httpx via pdstack.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from connector.tools.pdstack import CONNECTORS, ConnectorSpec, PdStack
+from connector.tools.stack import VllmServer, group_pids, port_is_free
+
+NOPROG_MODULE = "connector.tools.bench.vllm_noprog"
+KEEPCPU_MODULE = "connector.tools.bench.vllm_keepcpu"
+# connector.tools.bench.vllm_keepcpu.KEEP_CPU_BINDING_KEY: undo vLLM's pin of P's and D's model runners to the
+# same core (without it the progress-thread-off stacks livelock on 2 cores).
+KEEP_CPU_EXTRA_CONFIG: Mapping[str, Any] = {"bench_keep_cpu_binding": True}
+# What other engineers' servers look like (API server command line, EngineCore's proctitle).
+VLLM_PROCESS_PATTERN = "vllm.entrypoints|VLLM::"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One column of the comparison: which connector class, loaded from where."""
+
+    name: str
+    connector_name: str  # a key of connector.tools.pdstack.CONNECTORS: router mode, side channel
+    module_path: str | None = None  # overrides CONNECTORS' kv_connector_module_path
+    description: str = ""
+    # kv_connector_extra_config of both servers (e.g. connector.tools.bench.vllm_noprog's switches)
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    tracing: bool = True  # spans of every process to the run folder (PdStack.tracing)
+
+    @property
+    def router_mode(self) -> str:
+        return CONNECTORS[self.connector_name].router_mode
+
+    @property
+    def progress_thread_off(self) -> bool:
+        return self.module_path == NOPROG_MODULE
+
+    @property
+    def keeps_cpu_binding(self) -> bool:
+        return bool(self.extra_config.get("bench_keep_cpu_binding"))
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "push",
+            "PushConnector",
+            description="pushkv PushConnector (router --mode push), tracing on: every "
+            "span of every request to the run folder",
+        ),
+        # The cost of tracing: the same stack with OTEL_SDK_DISABLED=true in all processes.
+        BenchConfig(
+            "push-notrace",
+            "PushConnector",
+            description="pushkv PushConnector, tracing off (OTEL_SDK_DISABLED)",
+            tracing=False,
+        ),
+        BenchConfig(
+            "vllm-push",
+            "NixlPushConnector",
+            description="vLLM NixlPushConnector, default (router --mode vllm-push)",
+        ),
+        BenchConfig(
+            "vllm-pull",
+            "NixlConnector",
+            description="vLLM NixlConnector, default (router --mode pull)",
+        ),
+        BenchConfig(
+            "vllm-push-noprog",
+            "NixlPushConnector",
+            NOPROG_MODULE,
+            description="NixlPushConnector, NIXL progress thread off, CPU pin undone "
+            "(connector.tools.bench.vllm_noprog)",
+            extra_config=KEEP_CPU_EXTRA_CONFIG,
+        ),
+        BenchConfig(
+            "vllm-pull-noprog",
+            "NixlConnector",
+            NOPROG_MODULE,
+            description="NixlConnector, NIXL progress thread off, CPU pin undone "
+            "(connector.tools.bench.vllm_noprog)",
+            extra_config=KEEP_CPU_EXTRA_CONFIG,
+        ),
+        # Not in the default set: isolate the CPU pin from the progress thread (--configs).
+        BenchConfig(
+            "vllm-push-keepcpu",
+            "NixlPushConnector",
+            KEEPCPU_MODULE,
+            description="NixlPushConnector, progress thread on, CPU pin undone "
+            "(connector.tools.bench.vllm_keepcpu)",
+            extra_config=KEEP_CPU_EXTRA_CONFIG,
+        ),
+        BenchConfig(
+            "vllm-pull-keepcpu",
+            "NixlConnector",
+            KEEPCPU_MODULE,
+            description="NixlConnector, progress thread on, CPU pin undone "
+            "(connector.tools.bench.vllm_keepcpu)",
+            extra_config=KEEP_CPU_EXTRA_CONFIG,
+        ),
+    )
+}
+DEFAULT_CONFIGS = ("push", "vllm-push", "vllm-pull", "vllm-push-noprog", "vllm-pull-noprog")
+QUICK_CONFIGS = ("push", "vllm-push")
+
+
+@dataclass
+class BenchStack(PdStack):
+    """``PdStack`` plus ``module_path_override``: when set, both servers load
+    ``kv_connector`` from that module (``kv_connector_module_path``), an installed one."""
+
+    module_path_override: str | None = None
+
+    def _server(
+        self,
+        name: str,
+        port: int,
+        role: str,
+        engine_id: str,
+        extra: Mapping[str, Any],
+        cpus: str,
+        side_port: int,
+        spec: ConnectorSpec,
+    ) -> VllmServer:
+        server = super()._server(name, port, role, engine_id, extra, cpus, side_port, spec)
+        if self.module_path_override is not None:
+            assert server.kv_transfer_config is not None  # PdStack always sets one
+            server.kv_transfer_config["kv_connector_module_path"] = self.module_path_override
+        return server
+
+    def ports(self) -> dict[str, int]:
+        """Every TCP port the stack listens on, by role (HTTP ports and, for vLLM's
+        connectors, the NIXL side-channel ports)."""
+        ports = {
+            "prefill": self.prefill.port,
+            "decode": self.decode.port,
+            "router": self.router.port,
+        }
+        for name, server in (("prefill", self.prefill), ("decode", self.decode)):
+            side = server.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+            if side is not None:
+                ports[f"{name}-side-channel"] = int(side)
+        return ports
+
+    def group_leaders(self) -> list[int]:
+        """The PIDs leading the three process groups (None for a service not started)."""
+        return [
+            pid for pid in (self.prefill.pid, self.decode.pid, self.router.pid) if pid is not None
+        ]
+
+
+def make_stack(
+    config: BenchConfig, model: Path, run_dir: Path, pin_servers: bool = True
+) -> BenchStack:
+    """The stack for ``config``: logs go to ``run_dir`` (one file per process);
+    ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``)."""
+    return BenchStack(
+        model,
+        run_dir,
+        connector_name=config.connector_name,
+        prefill_extra_config=dict(config.extra_config),
+        decode_extra_config=dict(config.extra_config),
+        module_path_override=config.module_path,
+        tracing=config.tracing,
+        pin_servers=pin_servers,
+    )
+
+
+def busy_ports(ports: Mapping[str, int]) -> dict[str, int]:
+    """The subset of ``ports`` that something listens on (or holds bound)."""
+    return {name: port for name, port in ports.items() if not port_is_free(port)}
+
+
+@dataclass
+class StopCheck:
+    """What was left after a stack was stopped: live processes of its groups, busy ports."""
+
+    live_pids: list[int] = field(default_factory=list)
+    busy: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not self.live_pids and not self.busy
+
+
+def check_stopped(
+    leaders: list[int], ports: Mapping[str, int], timeout_s: float = 15.0
+) -> StopCheck:
+    """Wait up to ``timeout_s`` for every process of the groups led by ``leaders`` to be gone
+    and every port to be free again; return what is still there at the end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check = StopCheck(
+            [pid for leader in leaders for pid in group_pids(leader)], busy_ports(ports)
+        )
+        if check.clean or time.monotonic() >= deadline:
+            return check
+        time.sleep(0.5)
+
+
+def other_vllm_pids() -> list[int]:
+    """PIDs of vLLM servers and engines running on this machine (``pgrep -f``)."""
+    out = subprocess.run(
+        ["pgrep", "-f", VLLM_PROCESS_PATTERN], capture_output=True, text=True, check=False
+    ).stdout
+    return [int(tok) for tok in out.split()]
+
+
+def wait_for_quiet_machine(
+    timeout_s: float, poll_s: float = 10.0, log: Callable[[str], None] = print
+) -> bool:
+    """Poll every ``poll_s`` until no vLLM process runs; False if still busy at ``timeout_s``.
+    Logs when it starts waiting and every minute while it waits."""
+    start = time.monotonic()
+    last_log = -60.0
+    while True:
+        pids = other_vllm_pids()
+        waited = time.monotonic() - start
+        if not pids:
+            if waited > 0.5:
+                log(f"machine quiet after {waited:.0f} s of waiting")
+            return True
+        if waited >= timeout_s:
+            log(f"still {len(pids)} vLLM process(es) after {waited:.0f} s: {pids}; giving up")
+            return False
+        if waited - last_log >= 60.0:
+            log(
+                f"waiting for other vLLM servers to finish (pids {pids}); "
+                f"{waited:.0f} s of {timeout_s:.0f} s so far, polling every {poll_s:.0f} s"
+            )
+            last_log = waited
+        time.sleep(poll_s)

@@ -1,0 +1,178 @@
+"""Running the real ``vllm bench serve`` against one endpoint, for the push-vs-pull benchmark.
+
+Owns: ``Workload`` (random prompts of fixed lengths, the concurrency levels and their prompt
+counts, the seeds), the ``vllm bench serve`` command line (``bench_command``), running it
+with a wall-clock limit and killing its process group when it hangs (``run_bench_serve``),
+and reading D's prompt tokens by source from ``/metrics`` (``decode_prompt_tokens``), which
+shows whether D took the KV from P or recomputed it.
+
+Must not import vLLM (``vllm bench serve`` is a child process). Needs httpx.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from connector.tools.pdstack import metric_sum
+from connector.tools.stack import stop_process_group, tail_lines
+
+SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
+SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What ``vllm bench serve`` sends: random prompts, fixed lengths, at each level
+    (``levels``: (max concurrency, number of prompts)). ``request_rate`` None: closed loop
+    (a client sends its next request when its last one ends, so a faster stack is offered
+    more load); a number: open loop, Poisson arrivals at that many requests/s on average,
+    still capped at the level's concurrency, so every stack is offered the same load."""
+
+    input_len: int = 256
+    output_len: int = 32
+    # Long enough for a steady state (10-40 s a level on 2 cores): with 48 and 128 prompts a
+    # level lasted 2-3 s, and the closed loop's ramp-up and tail weighed as much as the rest.
+    levels: tuple[tuple[int, int], ...] = ((4, 160), (16, 480))
+    warmup_prompts: int = 8
+    warmup_concurrency: int = 4
+    seed: int = 0
+    request_rate: float | None = None
+
+    def level_seed(self, index: int) -> int:
+        return self.seed + index
+
+    def limit_s(self, num_prompts: int) -> float:
+        """Wall-clock limit of one run (client start-up about 12 s, a request well under
+        1 s when healthy): generous, but bounds a hung connector."""
+        return 90.0 + 2.0 * num_prompts
+
+
+def vllm_command() -> Path:
+    """The ``vllm`` command of this interpreter's environment."""
+    return Path(sys.executable).parent / "vllm"
+
+
+def bench_command(
+    base_url: str,
+    model_dir: Path,
+    workload: Workload,
+    concurrency: int,
+    num_prompts: int,
+    seed: int,
+    result: Path | None,
+) -> list[str]:
+    """The ``vllm bench serve`` command line; ``result`` None: do not save (warm-up)."""
+    cmd = [
+        str(vllm_command()),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        "tiny",
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(workload.input_len),
+        "--random-output-len",
+        str(workload.output_len),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--disable-tqdm",
+    ]
+    if workload.request_rate is not None and result is not None:  # the warm-up: closed loop
+        cmd += ["--request-rate", f"{workload.request_rate:g}"]
+    if result is not None:
+        cmd += [
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(result.parent),
+            "--result-filename",
+            result.name,
+        ]
+    return cmd
+
+
+def bench_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+        }
+    )
+    return env
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """Why one ``vllm bench serve`` run gave no numbers; ``hung``: killed at its limit."""
+
+    reason: str
+    hung: bool = False
+
+
+def run_bench_serve(cmd: Sequence[str], log_path: Path, limit_s: float) -> RunFailure | None:
+    """Run ``cmd`` in its own session, output to ``log_path``; None on success, else why
+    not (exit code, or still running at ``limit_s`` and then killed by process group)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(
+            list(cmd),
+            env=bench_env(),
+            cwd=log_path.parent,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            stop_process_group(proc, 10.0)
+            return RunFailure(
+                f"vllm bench serve hung: still running after {limit_s:.0f} s, killed", hung=True
+            )
+        except BaseException:
+            stop_process_group(proc, 10.0)
+            raise
+    if rc != 0:
+        last = tail_lines(log_path, 3).strip().splitlines()
+        return RunFailure(f"vllm bench serve exited {rc}: {last[-1] if last else ''}")
+    return None
+
+
+def decode_prompt_tokens(url: str) -> dict[str, float]:
+    """D's cumulative prompt tokens by source ({} if /metrics cannot be read)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5.0, trust_env=False).text
+    except httpx.HTTPError:
+        return {}
+    return {src: metric_sum(text, SOURCE_METRIC, source=src) or 0.0 for src in SOURCES}

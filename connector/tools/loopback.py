@@ -1,0 +1,325 @@
+"""P and D ranks as real processes with synthetic KV caches in DRAM, on loopback NIXL.
+
+Owns: the synthetic KV cache (numpy buffers laid out like vLLM's CPU cache), the child
+process that runs one rank (transport + endpoint + transfer thread) and the parent-side
+handle that drives it over a pipe. Used by ``pushkv demo``, the transport benchmark and the
+integration tests. No vLLM. Children are started with ``spawn`` and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+import numpy as np
+
+from connector.config import PushkvConfig
+from connector.core import events as ev
+from connector.core.heads import head_range
+from connector.core.layout import KVLayout, Region
+from connector.core.messages import PeerAddr
+from connector.core.state import ReceiverPolicy, SenderPolicy
+
+Role = Literal["P", "D"]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank of a synthetic engine."""
+
+    role: Role
+    engine_id: str
+    rank: int
+    tp_size: int
+    port: int
+    num_layers: int = 2
+    num_blocks: int = 64
+    block_size: int = 16
+    num_kv_heads: int = 4  # of the model, across all ranks
+    token_bytes: int = 64
+    order: Literal["HND", "NHD"] = "HND"
+    p_tp: int = 1  # for D: the P engine's TP size (to know who writes to us)
+    seed: int = 0
+    device: str = "cpu"  # "cpu" (numpy, DRAM) or "cuda:N" (torch, VRAM)
+    send_policy: SenderPolicy = field(default_factory=SenderPolicy)
+    recv_policy: ReceiverPolicy = field(default_factory=ReceiverPolicy)
+    dial_timeout_s: float = 5.0
+    doorbell: bool = True  # UDP wake-ups on the listen port number (connector.transfer.doorbell)
+
+    @property
+    def agent(self) -> str:
+        return f"{self.engine_id}-{self.rank}"
+
+    @property
+    def addr(self) -> PeerAddr:
+        return PeerAddr(agent=self.agent, host="127.0.0.1", port=self.port)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return head_range(self.rank, self.tp_size, self.num_kv_heads)
+
+    def shape(self) -> tuple[int, ...]:
+        h = self.heads[1] - self.heads[0]
+        inner = (h, self.block_size) if self.order == "HND" else (self.block_size, h)
+        return (self.num_layers, self.num_blocks, *inner, self.token_bytes)
+
+    def allocate(self) -> Any:
+        """P: seeded random bytes (so a misplaced byte shows); D: zeros. On CUDA a torch
+        tensor, created before the transport so CUDA is up when UCX starts."""
+        if self.device != "cpu":
+            import torch
+
+            dev = torch.device(self.device)
+            torch.cuda.set_device(dev)
+            if self.role == "P":
+                g = torch.Generator(device=dev).manual_seed(self.seed * 1000 + self.rank)
+                return torch.randint(
+                    1, 256, self.shape(), dtype=torch.uint8, device=dev, generator=g
+                )
+            return torch.zeros(self.shape(), dtype=torch.uint8, device=dev)
+        if self.role == "P":
+            rng = np.random.default_rng(self.seed * 1000 + self.rank)
+            return rng.integers(1, 256, size=self.shape(), dtype=np.uint8)
+        return np.zeros(self.shape(), dtype=np.uint8)
+
+    def layout(self, buf: Any) -> KVLayout:
+        block_stride = int(np.prod(buf.shape[2:]))
+        cuda = self.device != "cpu"
+        addr = (lambda i: int(buf[i].data_ptr())) if cuda else (lambda i: int(buf[i].ctypes.data))
+        regions = tuple(
+            Region(layer=i, group=0, part=0, base_addr=addr(i), block_stride=block_stride)
+            for i in range(self.num_layers)
+        )
+        return KVLayout(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            heads=self.heads,
+            token_bytes=self.token_bytes,
+            order=self.order,
+            regions=regions,
+            mem_type="VRAM" if cuda else "DRAM",
+            device_id=int(buf.device.index or 0) if cuda else 0,
+        )
+
+
+def torch_int64() -> Any:
+    import torch
+
+    return torch.int64
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def rank_main(conn: Connection, spec: RankSpec) -> None:
+    """Child process: one rank, commanded over ``conn`` until ("stop",)."""
+    from connector.transfer.doorbell import Doorbell
+    from connector.transfer.peers import Peers
+    from connector.transfer.receiver import Receiver
+    from connector.transfer.sender import Sender
+    from connector.transfer.thread import TransferThread
+    from connector.transfer.topology import RankInfo, Topology
+    from connector.transport.nixl import NixlTransport
+
+    buf = spec.allocate()
+    layout = spec.layout(buf)
+    transport = NixlTransport(spec.agent, listen_port=spec.port)
+    transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
+    bell = Doorbell.open("127.0.0.1", spec.port) if spec.doorbell else None
+    peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
+    me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
+    reports: list[Any] = []
+    backoff = PushkvConfig().backoff(bell is not None)  # as the plugin's threads poll
+    if spec.role == "P":
+        sender = Sender(
+            transport,
+            me,
+            layout,
+            Topology(spec.num_kv_heads, spec.tp_size),
+            peers,
+            spec.send_policy,
+            on_write_finished=reports.append,
+        )
+        thread = TransferThread(
+            transport, peers, sender=sender, name=f"pushkv-{spec.agent}", bell=bell, backoff=backoff
+        )
+    else:
+        receiver = Receiver(me, layout, peers, spec.recv_policy)
+        thread = TransferThread(
+            transport,
+            peers,
+            receiver=receiver,
+            name=f"pushkv-{spec.agent}",
+            bell=bell,
+            backoff=backoff,
+        )
+    thread.start()
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "submit":
+                thread.submit(args[0])
+                conn.send(("ok",))
+            elif cmd == "take":
+                conn.send(
+                    (
+                        "ok",
+                        thread.take_finished_sending(),
+                        thread.take_finished_recving(),
+                        list(reports),
+                    )
+                )
+            elif cmd == "read":
+                conn.send(("ok", buf.cpu().numpy() if spec.device != "cpu" else buf.copy()))
+            elif cmd == "block_sums":  # (layers, blocks) checksums, cheap to ship back
+                ids = list(args[0])
+                if spec.device != "cpu":
+                    sums = (
+                        buf[:, ids]
+                        .reshape(spec.num_layers, len(ids), -1)
+                        .to(dtype=torch_int64())
+                        .sum(-1)
+                    )
+                    conn.send(("ok", sums.cpu().numpy()))
+                else:
+                    conn.send(
+                        (
+                            "ok",
+                            buf[:, ids]
+                            .reshape(spec.num_layers, len(ids), -1)
+                            .astype(np.int64)
+                            .sum(-1),
+                        )
+                    )
+            elif cmd == "cpu":
+                conn.send(("ok", _cpu_seconds()))
+            elif cmd == "counters":
+                endpoint = thread.sender or thread.receiver
+                bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
+                conn.send(
+                    (
+                        "ok",
+                        {**thread.counters, **bells},
+                        dict(endpoint.counters),
+                        dict(endpoint.table.dropped),
+                        len(endpoint.table),
+                        dict(getattr(transport, "counters", {})),
+                    )
+                )
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+    finally:
+        thread.stop()
+        transport.close()
+        conn.send(("stopped",))
+
+
+class RankProcess:
+    """Parent-side handle of one rank's process."""
+
+    def __init__(self, spec: RankSpec, start_timeout_s: float = 120.0) -> None:
+        ctx = get_context("spawn")
+        self.spec = spec
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=rank_main, args=(child, spec), name=spec.agent, daemon=True)
+        self.proc.start()
+        child.close()
+        self._reply("ready", start_timeout_s)
+        self.sent: list[str] = []
+        self.received: list[Any] = []
+        self.reports: list[Any] = []
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None
+        return self.proc.pid
+
+    def _reply(self, want: str, timeout_s: float) -> tuple:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(
+                f"{self.spec.agent}: no {want!r} reply within {timeout_s}s "
+                f"(alive={self.proc.is_alive()}, exitcode={self.proc.exitcode})"
+            )
+        msg = self._conn.recv()
+        if msg[0] != want:
+            raise RuntimeError(f"{self.spec.agent}: expected {want!r}, got {msg!r}")
+        return msg
+
+    def call(self, *cmd: Any, timeout_s: float = 10.0) -> tuple:
+        self._conn.send(cmd)
+        return self._reply("ok", timeout_s)[1:]
+
+    def submit(self, event: Any) -> None:
+        self.call("submit", event)
+
+    def take(self) -> None:
+        sent, received, reports = self.call("take")
+        self.sent += sent
+        self.received += received
+        self.reports = reports
+
+    def wait(self, what: str, pred: Any, timeout_s: float) -> None:
+        """Poll until ``pred(self)`` holds; TimeoutError naming ``what`` otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.take()
+            if pred(self):
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.spec.agent}: {what} not seen within {timeout_s}s; "
+                    f"sent={self.sent} received={self.received}"
+                )
+            time.sleep(0.005)  # pacing of the poll loop, not synchronisation
+
+    def read(self) -> np.ndarray:
+        return self.call("read")[0]
+
+    def block_sums(self, block_ids: list[int]) -> np.ndarray:
+        return self.call("block_sums", block_ids, timeout_s=120)[0]
+
+    def cpu_seconds(self) -> float:
+        return self.call("cpu")[0]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop cleanly if possible; kill by PID otherwise. Idempotent."""
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+                self._reply("stopped", timeout_s)
+            except (OSError, EOFError, TimeoutError, RuntimeError, BrokenPipeError):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(10)
+
+
+def expected_event(
+    tid: str,
+    p_specs: list[RankSpec],
+    d_spec: RankSpec,
+    d_blocks: tuple[int, ...],
+    num_tokens: int,
+    first_token: int = 0,
+) -> ev.Expected:
+    """D's Expected for a transfer from the P engine ``p_specs`` into ``d_spec``."""
+    from connector.transfer.topology import Topology
+
+    topo = Topology(d_spec.num_kv_heads, len(p_specs))
+    sources = tuple(
+        ev.Source(p, p_specs[p].addr) for p in topo.sources(d_spec.rank, d_spec.tp_size)
+    )
+    return ev.Expected(tid, f"dreq-{tid}", sources, (d_blocks,), first_token, num_tokens)

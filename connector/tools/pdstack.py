@@ -1,0 +1,384 @@
+"""A disaggregated pair on one machine: a prefill (P) server, a decode (D) server and the router.
+
+Owns: ``RouterProcess`` (``pushkv router`` as a child process: start, ``/health``, stop by
+process group), ``PdStack`` (the P and D command lines and environments per connector, the
+ports, the CPU binding, the run folder with one log per process), ``CONNECTORS`` (which
+router mode and loading each supported connector needs), and ``metric_sum``, which reads one
+metric out of a server's Prometheus ``/metrics`` text (tests and the demo take deltas of it).
+
+Why the CPU binding: vLLM's CPU worker pins each engine to the cores of its OpenMP pool, and
+with ``VLLM_CPU_OMP_THREADS_BIND=auto`` both P and D land on CPU 0 and starve each other
+(30-70 s stalls measured on 2 cores). P gets core 0, D core 1 unless told otherwise.
+
+Must not import vLLM, NIXL or torch (see ``connector.tools.stack``). Needs only httpx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+import httpx
+
+from connector.tools.stack import (
+    ServerError,
+    Stack,
+    VllmServer,
+    free_port,
+    group_cpu_s,
+    stop_process_group,
+    tail_lines,
+)
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """How one KV connector is loaded, and how the router drives it."""
+
+    module_path: str | None  # kv_connector_module_path; None: vLLM's built-in registry
+    router_mode: str
+    nixl_side_channel_env: bool  # vLLM's connectors read VLLM_NIXL_SIDE_CHANNEL_{HOST,PORT}
+
+
+CONNECTORS: dict[str, ConnectorSpec] = {
+    "PushConnector": ConnectorSpec("connector", "push", False),
+    "NixlConnector": ConnectorSpec(None, "pull", True),
+    "NixlPushConnector": ConnectorSpec(None, "vllm-push", True),
+}
+
+PREFILL_ENGINE_ID, DECODE_ENGINE_ID = "prefill", "decode"
+ROUTER_HEALTH_TIMEOUT_S = 5.0  # overridable: router_args come later and argparse keeps the last
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_sum(metrics_text: str, name: str, **labels: str) -> float | None:
+    """The sum of every sample of ``name`` whose labels include ``labels``, in Prometheus
+    text format (``name{a="x",...} value``); None if there is no such sample."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m[1] != name:
+            continue
+        have = dict(_LABEL.findall(m[2] or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m[3])
+            seen = True
+    return total if seen else None
+
+
+def cpu_set(spec: str) -> frozenset[int]:
+    """CPUs of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0``, ``0-3`` or ``0,2-3``."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {spec!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus)
+
+
+def _distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+@dataclass
+class RouterProcess:
+    """``python -m connector.cli router ...`` in its own session; healthy when its
+    ``/health`` answers 200 (both backends healthy and, in push mode, P probed)."""
+
+    prefill_url: str
+    decode_url: str
+    port: int
+    mode: str = "push"
+    extra_args: Sequence[str] = ()
+    log_path: Path | None = None
+    host: str = "127.0.0.1"
+    python: str = sys.executable
+    env: Mapping[str, str] = field(default_factory=dict)  # added to this environment
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "connector.cli",
+            "router",
+            "--prefill",
+            self.prefill_url,
+            "--decode",
+            self.decode_url,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--mode",
+            self.mode,
+            *self.extra_args,
+        ]
+
+    def log_tail(self, n: int = 40) -> str:
+        return tail_lines(self.log_path, n) if self.log_path else "<no log>"
+
+    def start(self) -> None:
+        if self._proc is not None:
+            raise ServerError(f"router on port {self.port} already started (pid {self.pid})")
+        log = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = self.log_path.open("wb")
+            self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
+            self._log_file.flush()
+            log = self._log_file
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self.env},
+        )
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        if self._proc is None:
+            raise ServerError(f"router on port {self.port} was never started")
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while True:
+                rc = self._proc.poll()
+                if rc is not None:
+                    raise ServerError(
+                        f"router on port {self.port} exited with code {rc}; last "
+                        f"lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    r = client.get(f"{self.url}/health")
+                    if r.status_code == 200:
+                        return
+                    last = f"{r.status_code} {r.text[:200]}"
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
+                if time.monotonic() >= deadline:
+                    raise ServerError(
+                        f"router on port {self.port} not healthy after "
+                        f"{timeout_s:.0f} s (last /health: {last}); last lines of "
+                        f"{self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            stop_process_group(proc, timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+@dataclass
+class PdStack:
+    """P (kv_producer, engine id ``prefill``), D (kv_consumer, engine id ``decode``) and the
+    router, on free ports, logging to ``run_dir``. ``connector_name`` is a key of
+    ``CONNECTORS``; the extra configs become each side's ``kv_connector_extra_config``.
+
+    ``start()`` spawns all three at once (their start-ups overlap), waits until every one is
+    healthy under one deadline, and stops everything if any fails; ``stop()`` reverses it.
+    """
+
+    model: Path
+    run_dir: Path
+    connector_name: str = "PushConnector"
+    prefill_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    decode_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+    server_args: Sequence[str] = ()  # appended to both vLLM command lines
+    router_args: Sequence[str] = ()
+    prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine
+    decode_cpus: str = "1"
+    # Also confine each server's processes (API server, EngineCore, workers, their threads)
+    # to those CPUs, as if P and D were hosts of their own; the router stays unpinned.
+    # pushkv's transfer thread leaves vLLM's OpenMP core but not its server's CPUs
+    # (connector/transfer/thread.py, _unpin). On 2 cores this halved push's median TTFT and
+    # sped up every connector (README, Measured): unpinned, D's API server and EngineCore
+    # competed with P's prefill on P's core.
+    pin_servers: bool = True
+    # Every process writes its spans to run_dir/traces-<service>-<pid>.jsonl (or where the
+    # caller's OTEL_* variables say); False sets OTEL_SDK_DISABLED for all three.
+    tracing: bool = True
+    prefill: VllmServer = field(init=False)
+    decode: VllmServer = field(init=False)
+    router: RouterProcess = field(init=False)
+    start_duration_s: float | None = field(default=None, init=False)
+    _stack: Stack = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            spec = CONNECTORS[self.connector_name]
+        except KeyError:
+            raise ValueError(
+                f"unknown connector {self.connector_name!r}; known: {sorted(CONNECTORS)}"
+            ) from None
+        p_port, d_port, r_port, p_side, d_side = _distinct_free_ports(5)
+        self.prefill = self._server(
+            "prefill",
+            p_port,
+            "kv_producer",
+            PREFILL_ENGINE_ID,
+            self.prefill_extra_config,
+            self.prefill_cpus,
+            p_side,
+            spec,
+        )
+        self.decode = self._server(
+            "decode",
+            d_port,
+            "kv_consumer",
+            DECODE_ENGINE_ID,
+            self.decode_extra_config,
+            self.decode_cpus,
+            d_side,
+            spec,
+        )
+        # One health check that times out marks a backend down (503s until the next good
+        # check); the router's 1 s default is too short for a busy 2-core box.
+        router_args = ["--health-timeout", str(ROUTER_HEALTH_TIMEOUT_S), *self.router_args]
+        if spec.router_mode == "vllm-push":  # NixlPushConnector has no probe: say where P is
+            router_args = [
+                "--prefill-engine-id",
+                PREFILL_ENGINE_ID,
+                "--prefill-kv-host",
+                "127.0.0.1",
+                "--prefill-kv-port",
+                str(p_side),
+                "--prefill-tp-size",
+                "1",
+                *router_args,
+            ]
+        self.router = RouterProcess(
+            self.prefill.url,
+            self.decode.url,
+            r_port,
+            mode=spec.router_mode,
+            extra_args=router_args,
+            log_path=self.run_dir / "router.log",
+            env=self._trace_env(),
+        )
+        self._stack = Stack([self.prefill, self.decode, self.router])
+
+    def _server(
+        self,
+        name: str,
+        port: int,
+        role: str,
+        engine_id: str,
+        extra: Mapping[str, Any],
+        cpus: str,
+        side_port: int,
+        spec: ConnectorSpec,
+    ) -> VllmServer:
+        ktc: dict[str, Any] = {
+            "kv_connector": self.connector_name,
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": dict(extra),
+        }
+        if spec.module_path is not None:
+            ktc["kv_connector_module_path"] = spec.module_path
+        if role == "kv_consumer":
+            ktc["kv_load_failure_policy"] = self.kv_load_failure_policy
+        env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
+        if spec.nixl_side_channel_env:
+            env |= {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+            }
+        return VllmServer(
+            self.model,
+            port,
+            kv_transfer_config=ktc,
+            env=env,
+            extra_args=list(self.server_args),
+            log_path=self.run_dir / f"{name}.log",
+            cpu_affinity=self._affinity(cpus),
+        )
+
+    def _affinity(self, cpus: str) -> frozenset[int] | None:
+        wanted = cpu_set(cpus)
+        if not self.pin_servers or not hasattr(os, "sched_getaffinity"):
+            return None
+        return wanted if wanted <= os.sched_getaffinity(0) else None  # e.g. a 1-CPU machine
+
+    def _trace_env(self) -> dict[str, str]:
+        if not self.tracing:
+            return {"OTEL_SDK_DISABLED": "true"}
+        return {"PUSHKV_RUN_DIR": str(self.run_dir.resolve())}
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The router: where clients send requests."""
+        return self.router.url
+
+    def start(self, timeout_s: float = 300.0) -> float:
+        """Start all three and wait until healthy; returns (and records) the seconds it took."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        self._stack.start(timeout_s)
+        self.start_duration_s = time.monotonic() - t0
+        return self.start_duration_s
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stack.stop(timeout_s)
+
+    def server_cpu_s(self) -> float:
+        """CPU seconds used so far by every process of both servers' groups (not the router)."""
+        return sum(group_cpu_s(s.pid) for s in (self.prefill, self.decode) if s.pid is not None)
+
+    def describe(self) -> str:
+        """URLs, PIDs (each leads its process group) and logs, one line each."""
+        rows = [
+            ("router", self.router.url, self.router.pid, self.router.log_path),
+            ("prefill", self.prefill.url, self.prefill.pid, self.prefill.log),
+            ("decode", self.decode.url, self.decode.pid, self.decode.log),
+        ]
+        return "\n".join(f"{name:8} {url:24} pid {pid}  log {log}" for name, url, pid, log in rows)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with contextlib.suppress(ServerError) if exc is not None else contextlib.nullcontext():
+            self.stop()

@@ -1,0 +1,370 @@
+"""Process management for real vLLM servers: ``make demo``, the end-to-end tests, the benchmarks.
+
+Owns: the vLLM command line and child environment we run with (``VllmServer``), starting a
+server in its own session, waiting for ``/health``, stopping it by process group, and ``Stack``,
+which starts several services concurrently and always stops them all, in reverse order.
+
+Must not import vLLM, NIXL or torch: servers are child processes started with this interpreter
+(``python -m vllm.entrypoints.openai.api_server``, which works even where the ``vllm`` command
+does not, e.g. without a `vllm` dist-info). Needs only httpx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Protocol, Self
+
+import httpx
+
+from connector.core.errors import PushkvError
+
+# Re-exported: the stacks' callers pick and check ports through here.
+from connector.transport.ports import free_port, port_is_free  # noqa: F401
+
+KV_CACHE_MEMORY_BYTES = 256 << 20  # 256 MiB: RSS about 2.2 GiB per server (vs 2.9 with 1 GiB)
+
+# The child environment every server gets. UCX on loopback only; no hub access.
+BASE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "UCX_TLS": "tcp,sm,self",
+    "UCX_NET_DEVICES": "lo",
+    "PYTHONUNBUFFERED": "1",
+}
+# VLLM_CPU_KVCACHE_SPACE, when set, overrides --kv-cache-memory-bytes on the CPU platform
+# (vllm/platforms/cpu.py, "Legacy setting"), so it must not leak into the child.
+DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+SHUTDOWN_TIMEOUT_S = 5  # vLLM's --shutdown-timeout: engines exit on their own, spans flushed
+
+
+class ServerError(PushkvError):
+    """A managed server failed to start, exited early or did not become healthy in time."""
+
+
+def tail_lines(path: Path, n: int) -> str:
+    try:
+        with path.open("r", errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as exc:
+        return f"<log {path} unreadable: {exc}>"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, but not ours: never signal it
+        return False
+    return True
+
+
+def _group_rss_bytes(pgid: int) -> int:
+    """Summed RSS of every live process in group ``pgid`` (Linux /proc; shared pages count
+    once per process, so this over-reports a little)."""
+    total = 0
+    for pid in group_pids(pgid):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+    return total
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process in group ``pgid`` (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the ")" of comm: state ppid pgrp ...
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+    return pids
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU time (utime + stime, all threads) used so far by the live processes of group
+    ``pgid``, in seconds. Processes that exit between two readings drop out of the sum."""
+    ticks = 0
+    for pid in group_pids(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Stop a child started with ``start_new_session``: SIGTERM the leader, then (after half
+    of ``timeout_s``) its whole group, then SIGKILL the group at ``timeout_s``; reap it."""
+    pgid = proc.pid  # start_new_session: the child leads its own group
+    start = time.monotonic()
+    for sig_group, until in ((False, start + timeout_s / 2), (True, start + timeout_s)):
+        if not _group_alive(pgid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            if sig_group:
+                os.killpg(pgid, signal.SIGTERM)
+            elif proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        # The leader may be gone while a child of it still shuts down.
+        while _group_alive(pgid) and time.monotonic() < until:
+            proc.poll()  # reap the leader as soon as it exits
+            time.sleep(0.1)
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
+    kill_deadline = time.monotonic() + 5.0  # SIGKILLed members free their ports soon
+    while _group_alive(pgid) and time.monotonic() < kill_deadline:
+        time.sleep(0.05)
+
+
+class Service(Protocol):
+    """What ``Stack`` manages: anything that starts, becomes healthy and stops."""
+
+    def start(self) -> None: ...
+    def wait_healthy(self, timeout_s: float) -> None: ...
+    def stop(self, timeout_s: float = ...) -> None: ...
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI-compatible server as a child process (config plus lifecycle).
+
+    ``env`` is added to the child environment (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``);
+    ``extra_args`` go after the standard flags, so they can override them (argparse keeps
+    the last value). The log defaults to a file in the temp directory named by the port.
+    """
+
+    model: Path
+    port: int
+    served_model_name: str = "tiny"
+    kv_transfer_config: dict[str, Any] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: Sequence[str] = ()
+    log_path: Path | None = None
+    host: str = "127.0.0.1"
+    max_model_len: int = 2048
+    kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES
+    seed: int = 0
+    python: str = sys.executable
+    # CPUs the whole server (API server, EngineCore, their threads) starts on, like a host
+    # of its own (pushkv's transfer thread stays inside it); None: wherever the OS puts it.
+    cpu_affinity: frozenset[int] | None = None
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.log_path is None:
+            self.log_path = Path(tempfile.gettempdir()) / f"pushkv-vllm-{self.port}.log"
+
+    # --- configuration -----------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        assert self.log_path is not None  # set in __post_init__
+        return self.log_path
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--seed",
+            str(self.seed),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_memory_bytes),
+            # 0.32 has no --disable-log-requests: request logging is opt-in
+            # (--enable-log-requests). Say so explicitly; also drop uvicorn's access log,
+            # which would otherwise log every /health poll.
+            "--no-enable-log-requests",
+            "--disable-uvicorn-access-log",
+            # vLLM's default (0) SIGKILLs EngineCore and its workers the moment it stops,
+            # before they can flush their spans (measured: the last request's D spans lost).
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT_S),
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + list(self.extra_args)
+
+    def child_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+        env.update(BASE_ENV)
+        env.update(self.env)
+        return env
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Spawn the server in its own session (so stop() can signal the whole group:
+        the API server plus its EngineCore child). Returns at once; see wait_healthy()."""
+        if self._proc is not None:
+            raise ServerError(f"server on port {self.port} already started (pid {self.pid})")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log.open("wb")
+        self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
+        self._log_file.flush()
+        cpus = self.cpu_affinity
+        self._proc = subprocess.Popen(
+            self.command(),
+            env=self.child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # children inherit the mask; set in the child before exec (no threads there yet)
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        )
+
+    def log_tail(self, n: int = 40) -> str:
+        return tail_lines(self.log, n)
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        """Poll GET /health until 200. Raise ServerError at once if the process exits, or
+        after ``timeout_s``; either message carries the last 40 log lines."""
+        if self._proc is None:
+            raise ServerError(f"server on port {self.port} was never started")
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0, trust_env=False) as client:  # no proxies for loopback
+            while True:
+                rc = self._proc.poll()
+                if rc is not None:
+                    raise ServerError(
+                        f"vLLM on port {self.port} exited with code {rc} before "
+                        f"it was healthy; last lines of {self.log}:\n"
+                        f"{self.log_tail(40)}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                if time.monotonic() >= deadline:
+                    raise ServerError(
+                        f"vLLM on port {self.port} not healthy after "
+                        f"{timeout_s:.0f} s; last lines of {self.log}:\n"
+                        f"{self.log_tail(40)}"
+                    )
+                time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the API server, then (after half of ``timeout_s``) its whole process
+        group, then SIGKILL the group at ``timeout_s``. Idempotent; a no-op if never started.
+
+        Why the leader first: the API server stops its EngineCore itself; SIGTERM to the whole
+        group at once kills the engine under it and logs an EngineDeadError on every stop.
+        """
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            stop_process_group(proc, timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def rss_bytes(self) -> int:
+        """Summed RSS of the server's process group (API server + engine); 0 if not running."""
+        return _group_rss_bytes(self._proc.pid) if self._proc is not None else 0
+
+    def __enter__(self) -> Self:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class Stack:
+    """Several services started together: all are spawned first (their start-ups overlap),
+    then waited on under one deadline. Stopping goes in reverse order and reaches every
+    service even if some stop() fails; if start-up fails, everything started is stopped."""
+
+    def __init__(self, services: Sequence[Service]) -> None:
+        self.services = list(services)
+        self._started: list[Service] = []
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            for service in self.services:
+                self._started.append(service)  # before start(): a half-started one is stopped
+                service.start()
+            for service in self.services:
+                service.wait_healthy(max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        errors: list[Exception] = []
+        while self._started:
+            service = self._started.pop()
+            try:
+                service.stop(timeout_s)
+            except Exception as exc:  # keep stopping the rest; re-raised below
+                errors.append(exc)
+        if errors:
+            raise ServerError(f"{len(errors)} service(s) failed to stop: {errors!r}") from errors[0]
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

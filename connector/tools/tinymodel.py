@@ -1,0 +1,435 @@
+"""A tiny random Llama that vLLM and transformers can load, built locally with no download.
+
+Owns: the tiny model's spec (config, tokenizer, seeded weights), its on-disk cache and the
+``python -m connector.tools.tinymodel`` CLI. The weights are seeded random numbers, scaled so that
+attention matters: greedy output depends on the whole prompt, which is what the end-to-end
+KV-equality tests need (vLLM's ``--load-format dummy`` gives near-constant weights whose output
+depends on the last token only, so equal outputs would prove nothing about the KV).
+
+Must not import vLLM, torch, transformers or anything of the project: it runs in CI setup and
+in the test process. Needs only numpy and ``tokenizers``; safetensors is written by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Bump when anything below changes what is written: the cache key includes it.
+FORMAT_VERSION = 1
+
+VOCAB_SIZE = 4096
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 (trainer order)
+
+# Plain role markers are enough for /v1/chat/completions; BOS comes from the template
+# because vLLM renders chat prompts with add_special_tokens=False.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+ARCH: dict[str, Any] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+# Weight scales, as multiples of 1/sqrt(fan_in). Why these: with tiny init (0.02, or what
+# --load-format dummy gives) the output depends on the last token only; with plain
+# variance-preserving scales the last token's residual path still decides about a third of
+# first greedy tokens alone. Larger q/k make attention selective (content-dependent), a larger
+# o_proj makes what attention gathers outweigh the token's own embedding, and a larger lm_head
+# gives confident, diverse greedy picks. Measured with transformers: for 20 prompt pairs
+# sharing the last 8 tokens, the first greedy token differed in 0/20 (0.02 init), 13/20
+# (all 1.0) and 20/20 (these).
+SCALES: dict[str, float] = {
+    "embed": 1.0,
+    "q": 2.0,
+    "k": 2.0,
+    "v": 1.0,
+    "o": 2.0,
+    "gate": 1.0,
+    "up": 1.0,
+    "down": 1.0,
+    "lm_head": 4.0,
+}
+
+_CORPUS_SEED = 1234  # the tokenizer does not depend on the weight seed
+
+
+def _config(bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **ARCH,
+        # transformers 5 reads rope_parameters; older readers (and vLLM) accept rope_theta.
+        "rope_parameters": {"rope_type": "default", "rope_theta": ARCH["rope_theta"]},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def _cache_key(seed: int) -> str:
+    spec = {
+        "format": FORMAT_VERSION,
+        "arch": ARCH,
+        "scales": SCALES,
+        "vocab": VOCAB_SIZE,
+        "corpus_seed": _CORPUS_SEED,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return f"tiny-llama-seed{seed}-{digest}"
+
+
+def make_tiny_model(root: Path | None = None, *, seed: int = 0) -> Path:
+    """The directory of the tiny model for ``seed`` under ``root``, building it if absent.
+
+    Idempotent and safe to call from several processes at once: the model is built in a
+    temporary directory beside the final one and renamed into place; a loser of the race
+    discards its copy. The default root is ``$PUSHKV_MODEL_CACHE`` or ``~/.cache/pushkv/models``.
+    """
+    if root is None:
+        env_root = os.environ.get("PUSHKV_MODEL_CACHE")
+        root = Path(env_root) if env_root else Path.home() / ".cache" / "pushkv" / "models"
+    root = Path(root).expanduser()
+    final = root / _cache_key(seed)
+    if final.is_dir():  # only ever created by the rename below, so it is complete
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
+        _build(tmp, seed)
+        try:
+            os.rename(tmp, final)  # atomic on one filesystem; fails if final now exists
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build(out: Path, seed: int) -> None:
+    tokenizer = _train_tokenizer()
+    vocab = tokenizer.get_vocab()
+    if len(vocab) != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {len(vocab)} tokens, expected {VOCAB_SIZE}")
+    bos_id, eos_id, pad_id = (vocab[t] for t in SPECIAL_TOKENS)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": ARCH["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
+    )
+    _write_json(out / "config.json", _config(bos_id, eos_id, pad_id))
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id,
+            "do_sample": False,
+        },
+    )
+    _write_safetensors(out / "model.safetensors", _weights(seed))
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# --- tokenizer -----------------------------------------------------------------------------
+
+_ONSETS = (
+    "",
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "br",
+    "ch",
+    "cl",
+    "dr",
+    "fl",
+    "gr",
+    "pl",
+    "pr",
+    "sh",
+    "st",
+    "th",
+    "tr",
+)
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "y")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "rt", "st", "ck", "x")
+_COMMON = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "it",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "at",
+    "be",
+    "this",
+    "have",
+    "from",
+    "or",
+    "one",
+    "by",
+    "not",
+    "but",
+    "what",
+    "all",
+    "were",
+    "when",
+    "we",
+    "there",
+    "can",
+    "an",
+    "your",
+    "which",
+    "their",
+    "said",
+    "if",
+    "do",
+    "will",
+    "each",
+    "about",
+    "how",
+    "up",
+    "out",
+    "them",
+    "then",
+    "she",
+    "many",
+    "some",
+    "so",
+    "these",
+    "would",
+    "other",
+    "into",
+    "has",
+    "more",
+    "her",
+    "two",
+    "like",
+    "him",
+    "see",
+    "time",
+    "could",
+    "no",
+    "make",
+    "than",
+    "first",
+)
+
+
+def _corpus(n_sentences: int = 12000) -> list[str]:
+    """Deterministic English-like text: common words, made-up words, numbers, code-ish lines."""
+    rng = random.Random(_CORPUS_SEED)
+    words = list(_COMMON)
+    while len(words) < 6000:
+        words.append(
+            "".join(
+                rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                for _ in range(rng.randint(1, 3))
+            )
+        )
+    lines = []
+    for _ in range(n_sentences):
+        kind = rng.random()
+        if kind < 0.8:
+            ws = [
+                rng.choice(_COMMON) if rng.random() < 0.4 else rng.choice(words)
+                for _ in range(rng.randint(4, 16))
+            ]
+            ws[0] = ws[0].capitalize()
+            lines.append(" ".join(ws) + rng.choice(".!?,;:"))
+        elif kind < 0.9:
+            lines.append(" ".join(str(rng.randint(0, 10 ** rng.randint(1, 6))) for _ in range(6)))
+        else:
+            a, b = rng.choice(words), rng.choice(words)
+            lines.append(f"def {a}_{b}(x):\n    return x * {rng.randint(1, 99)} + {a}({b})")
+    return lines
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=1,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    # Prepend BOS like Llama's tokenizer; ByteLevel post-processing keeps offsets right.
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A $B",
+                special_tokens=[(BOS_TOKEN, bos_id)],
+            ),
+        ]
+    )
+    return tok
+
+
+# --- weights -------------------------------------------------------------------------------
+
+
+def _weights(seed: int) -> dict[str, np.ndarray]:
+    """Seeded float32 weights in HF Llama naming, drawn in a fixed order."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    h, ffn = ARCH["hidden_size"], ARCH["intermediate_size"]
+    q_out = ARCH["num_attention_heads"] * ARCH["head_dim"]
+    kv_out = ARCH["num_key_value_heads"] * ARCH["head_dim"]
+
+    def normal(shape: tuple[int, int], scale: float, fan_in: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * (scale / np.sqrt(fan_in))).astype(
+            np.float32
+        )
+
+    w: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": normal((VOCAB_SIZE, h), SCALES["embed"], 1)
+    }
+    for i in range(ARCH["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "self_attn.q_proj.weight"] = normal((q_out, h), SCALES["q"], h)
+        w[p + "self_attn.k_proj.weight"] = normal((kv_out, h), SCALES["k"], h)
+        w[p + "self_attn.v_proj.weight"] = normal((kv_out, h), SCALES["v"], h)
+        w[p + "self_attn.o_proj.weight"] = normal((h, q_out), SCALES["o"], q_out)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "mlp.gate_proj.weight"] = normal((ffn, h), SCALES["gate"], h)
+        w[p + "mlp.up_proj.weight"] = normal((ffn, h), SCALES["up"], h)
+        w[p + "mlp.down_proj.weight"] = normal((h, ffn), SCALES["down"], ffn)
+    w["model.norm.weight"] = np.ones(h, np.float32)
+    w["lm_head.weight"] = normal((VOCAB_SIZE, h), SCALES["lm_head"], h)
+    return w
+
+
+def _to_bf16_bytes(a: np.ndarray) -> bytes:
+    """float32 -> bfloat16 with round-to-nearest-even (no NaNs occur here)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
+    return rounded.astype("<u2").tobytes()
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """The safetensors format by hand (8-byte header size, JSON header, raw data), so that
+    bf16 needs neither torch nor ml_dtypes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        blob = _to_bf16_bytes(tensors[name])
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(tensors[name].shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m connector.tools.tinymodel",
+        description="Build (or find) the tiny test model; print its path.",
+    )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="cache root (default: $PUSHKV_MODEL_CACHE or ~/.cache/pushkv/models)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    args = parser.parse_args(argv)
+    print(make_tiny_model(args.root, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

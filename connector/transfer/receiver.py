@@ -1,0 +1,215 @@
+"""D's side of the push protocol, run on the transfer thread.
+
+Owns: turning the receive tracker's actions into notifications (registration, cancel,
+heartbeat) and incoming notifications into tracker events. Transport via the Transport
+protocol only; never vLLM. One thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from connector.core import events as ev
+from connector.core import messages as m
+from connector.core.errors import PeerDisconnected, TransportError
+from connector.core.layout import KVLayout
+from connector.core.receiver_table import ReceiverTable
+from connector.core.state import ReceiverPolicy
+from connector.transfer.peers import Peers
+from connector.transfer.spans import NO_SPANS, RegisterNote
+from connector.transfer.topology import RankInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Received:
+    """One transfer's outcome for the engine (finished_recving, failed_recving)."""
+
+    transfer_id: str
+    request_id: str
+    ok: bool
+    reason: m.FailReason | None
+    at_ns: int = 0  # wall clock when the last completion was counted (or the failure decided)
+
+
+class Receiver:
+    """Registers D's blocks with each writing P rank and counts their completions."""
+
+    def __init__(
+        self,
+        me: RankInfo,
+        layout: KVLayout,
+        peers: Peers,
+        policy: ReceiverPolicy = ReceiverPolicy(),
+        clock: Callable[[], int] = time.monotonic_ns,
+        spans: Any = NO_SPANS,
+    ) -> None:
+        layout.validate()
+        self._clock = clock
+        self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
+        self.me, self.layout, self.peers, self.policy = me, layout, peers, policy
+        self.table = ReceiverTable(policy)
+        self._expected: dict[str, ev.Expected] = {}
+        self.finished: list[Received] = []
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ inputs
+    def on_event(
+        self,
+        event: ev.ReceiverEvent | ev.NotNeeded,
+        now_ns: int,
+        ready: object = None,
+        note: RegisterNote | None = None,
+    ) -> None:
+        if isinstance(event, ev.NotNeeded):
+            frame = m.encode(
+                m.Cancel(
+                    transfer_id=event.transfer_id,
+                    d_rank=self.me.rank,
+                    d_addr=self.me.addr,
+                    reason=m.FailReason.NOT_NEEDED,
+                )
+            )
+            for src in event.sources:
+                self.peers.send(src.addr, frame, now_ns, self._count_failure)
+            return
+        if isinstance(event, ev.Expected):
+            self._expected[event.transfer_id] = event
+            self.spans.expected(event, note)
+        self._run(self.table.handle(event, now_ns), now_ns)
+
+    def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
+        if not isinstance(msg, (m.Completion, m.Fail)):
+            self.counters[f"unexpected_{type(msg).__name__}"] += 1
+            return
+        exp = self._expected.get(msg.transfer_id)
+        if exp is not None and not any(
+            s.p_rank == msg.p_rank and s.addr.agent == agent for s in exp.sources
+        ):
+            self.counters["sender_mismatch"] += 1  # a rank speaking for another: drop
+            return
+        if isinstance(msg, m.Completion):
+            event: ev.ReceiverEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
+        else:
+            event = ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason)
+        self._run(self.table.handle(event, now_ns), now_ns)
+
+    def poll(self, now_ns: int) -> None:
+        nxt = self.table.next_deadline_ns()
+        if nxt is not None and nxt <= now_ns:
+            self._run(self.table.tick(now_ns), now_ns)
+
+    def busy(self) -> bool:
+        return self.table.awaiting_network()
+
+    def awaited_addrs(self) -> set[tuple[str, int]]:
+        """Host and port of every P rank a transfer still expects (their doorbells)."""
+        return {(s.addr.host, s.addr.port) for e in self._expected.values() for s in e.sources}
+
+    # ------------------------------------------------------------------ actions
+    def _run(self, actions: list, now_ns: int) -> None:
+        for a in actions:
+            if isinstance(a, ev.SendRegister):
+                self._send_register(a, now_ns)
+            elif isinstance(a, ev.SendCancel):
+                frame = m.encode(
+                    m.Cancel(
+                        transfer_id=a.transfer_id,
+                        d_rank=self.me.rank,
+                        d_addr=self.me.addr,
+                        reason=a.reason,
+                    )
+                )
+                for src in a.to:
+                    self.peers.send(
+                        src.addr, frame, now_ns, self._on_send_error(a.transfer_id, src)
+                    )
+            elif isinstance(a, ev.SendHeartbeat):
+                ids = a.transfer_ids
+                for i in range(0, len(ids), m.MAX_HEARTBEAT_IDS + 1):
+                    chunk = ids[i : i + m.MAX_HEARTBEAT_IDS + 1]
+                    frame = m.encode(
+                        m.Heartbeat(
+                            transfer_id=chunk[0],
+                            more_ids=chunk[1:],
+                            d_rank=self.me.rank,
+                            d_addr=self.me.addr,
+                        )
+                    )
+                    self.peers.send(a.to, frame, now_ns, self._on_heartbeat_error(a.to))
+            elif isinstance(a, ev.ReportReceived):
+                self._expected.pop(a.transfer_id, None)
+                rec = self.table.get(a.transfer_id)
+                if rec is not None and rec.abandoned:
+                    logger.error("Transfer %s abandoned: a P rank never answered", a.transfer_id)
+                elif not a.ok:
+                    logger.warning(
+                        "Transfer %s failed: %s",
+                        a.transfer_id,
+                        a.reason.value if a.reason else "unknown",
+                    )
+                at = time.time_ns()
+                self.finished.append(Received(a.transfer_id, a.request_id, a.ok, a.reason, at))
+                self.spans.received(a.transfer_id, a.ok, a.reason, at)
+            else:
+                raise TypeError(f"unknown receiver action {a!r}")
+
+    def _send_register(self, a: ev.SendRegister, now_ns: int) -> None:
+        exp = self._expected[a.transfer_id]
+        frame = m.encode(
+            m.Register(
+                transfer_id=a.transfer_id,
+                d_engine_id=self.me.engine_id,
+                d_rank=self.me.rank,
+                d_tp_size=self.me.tp_size,
+                d_addr=self.me.addr,
+                layout=self.layout,
+                block_ids=exp.block_ids,
+                first_token=exp.first_token,
+                num_tokens=exp.num_tokens,
+                ttl_ms=max(1, self.policy.timeout_ns // 1_000_000),
+                trace=exp.trace,
+            )
+        )
+        self.peers.send(
+            a.source.addr,
+            frame,
+            now_ns,
+            self._on_send_error(a.transfer_id, a.source),
+            sent=lambda: self.spans.register_sent(a.transfer_id),
+        )
+
+    def _on_send_error(self, tid: str, src: ev.Source):
+        def fail(exc: TransportError) -> None:
+            # Undelivered: that rank never saw this message, or is gone. Either way it
+            # will not write for this transfer.
+            self.counters["send_failed"] += 1
+            logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
+            reason = (
+                m.FailReason.PEER_LOST
+                if isinstance(exc, PeerDisconnected)
+                else m.FailReason.HANDSHAKE
+            )
+            now = self._clock()
+            self._run(self.table.handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
+
+        return fail
+
+    def _count_failure(self, exc: TransportError) -> None:
+        self.counters["send_failed"] += 1
+        logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
+
+    def _on_heartbeat_error(self, addr: m.PeerAddr):
+        def fail(exc: TransportError) -> None:
+            self.counters["heartbeat_failed"] += 1
+            if isinstance(exc, PeerDisconnected):
+                now = self._clock()
+                self._run(self.table.handle(ev.PeerLost(addr.agent), now), now)
+
+        return fail

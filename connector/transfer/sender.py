@@ -1,0 +1,371 @@
+"""P's side of the push protocol, run on the transfer thread.
+
+Owns: turning the rendezvous table's actions into transport work (descriptor prep, WRITE
+posts, notifications) and transport outcomes back into table events. Touches the
+transport only through the Transport protocol; never vLLM. One thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.core import events as ev
+from connector.core import messages as m
+from connector.core.errors import LayoutError, PeerDisconnected, TransportError
+from connector.core.layout import KVLayout
+from connector.core.plan import plan_transfer
+from connector.core.sender_table import SenderTable
+from connector.core.state import SenderPolicy
+from connector.transfer.doorbell import DONE, WRITE, write_key
+from connector.transfer.peers import Peers
+from connector.transfer.spans import NO_SPANS, PrefillNote
+from connector.transfer.topology import RankInfo, Topology
+from connector.transport.base import Transport, WriteHandle
+
+logger = logging.getLogger(__name__)
+
+ReadyCheck = Callable[[], bool]
+
+
+@dataclass
+class WriteReport:
+    """What one transfer's WRITEs did; handed to ``on_write_finished`` (spans, stats)."""
+
+    transfer_id: str
+    request_id: str
+    ok: bool
+    reason: m.FailReason | None
+    issued_ns: int  # wall clock: rendezvous complete, descriptor prep starts
+    prepared_ns: int = 0  # descriptors built
+    posted_ns: int = 0  # first WRITE posted
+    done_ns: int = 0  # last WRITE observed DONE (or failed)
+    bytes_total: int = 0
+    descriptors: int = 0
+    blocks: int = 0
+    regions: int = 0  # KV regions (layer x part) of the layout the transfer spans
+    targets: tuple[str, ...] = ()
+
+
+@dataclass
+class _Write:
+    report: WriteReport
+    unposted: int  # targets still waiting for their peer's metadata
+    handles: list[WriteHandle] = field(default_factory=list)
+    failure: m.FailReason | None = None
+    detail: str = ""
+    aborting: bool = False
+
+
+class Sender:
+    """Matches registrations with finished prefills and pushes the KV to D."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        me: RankInfo,
+        layout: KVLayout,
+        topology: Topology,
+        peers: Peers,
+        policy: SenderPolicy = SenderPolicy(),
+        on_write_finished: Callable[[WriteReport], None] | None = None,
+        spans: Any = NO_SPANS,
+    ) -> None:
+        layout.validate()
+        self._t, self.me, self.layout, self.topology, self.peers = (
+            transport,
+            me,
+            layout,
+            topology,
+            peers,
+        )
+        self.table = SenderTable(lambda d_tp: topology.targets(me.rank, d_tp), policy)
+        self._writes: dict[str, _Write] = {}
+        self._ready: dict[str, ReadyCheck] = {}  # transfer id -> "is the KV computed?"
+        self._ready_seen: set[str] = set()  # ... and it said yes
+        self._deferred: dict[str, ev.IssueWrite] = {}
+        self._on_write_finished = on_write_finished
+        self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
+        self.finished: list[str] = []  # request ids whose blocks go back (finished_sending)
+        self.counters: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ inputs
+    def on_event(
+        self,
+        event: ev.SenderEvent,
+        now_ns: int,
+        ready: ReadyCheck | None = None,
+        note: PrefillNote | None = None,
+    ) -> None:
+        if isinstance(event, ev.SourceReclaimed) and event.transfer_id in self._deferred:
+            # Not posted yet (the compute step had not finished): it never will be.
+            self._deferred.pop(event.transfer_id)
+            event = ev.WriteFailed(event.transfer_id, m.FailReason.PREFILL_ABORTED, "preempted")
+        if isinstance(event, ev.PrefillDone):
+            if ready is not None:
+                self._ready[event.transfer_id] = ready
+            self.spans.prefill_submitted(event, note, deferred=ready is not None)
+        self._run(self.table.handle(event, now_ns), now_ns)
+
+    def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
+        if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)) and msg.d_addr.agent != agent:
+            self.counters["sender_mismatch"] += 1
+            logger.warning(
+                "Dropped %s for %s: sent by %s, claims %s",
+                type(msg).__name__,
+                msg.transfer_id,
+                agent,
+                getattr(msg, "d_addr", None),
+            )
+            return
+        if isinstance(msg, m.Register):
+            # Fetch D's metadata now, while P may still be computing: off the critical path.
+            self.peers.when_ready(msg.d_addr, now_ns, _noop, _noop_fail)
+            self.spans.registration(msg.transfer_id, msg.trace, time.time_ns())
+            self._run(self.table.handle(ev.Registered(msg), now_ns), now_ns)
+        elif isinstance(msg, m.Cancel):
+            self._run(
+                self.table.handle(
+                    ev.Cancelled(msg.transfer_id, msg.d_rank, msg.d_addr, msg.reason), now_ns
+                ),
+                now_ns,
+            )
+        elif isinstance(msg, m.Heartbeat):
+            for tid in msg.transfer_ids():
+                self._run(self.table.handle(ev.HeartbeatSeen(tid), now_ns), now_ns)
+        else:
+            self.counters[f"unexpected_{type(msg).__name__}"] += 1
+
+    def poll(self, now_ns: int) -> None:
+        for tid, check in self._ready.items():
+            # GPU: note when the step's event fires (the end of P's prefill span), even
+            # while no registration has come yet.
+            if tid not in self._ready_seen and check():
+                self._ready_seen.add(tid)
+                self.spans.prefill_ready(tid, time.time_ns())
+        for tid in [t for t, check in self._ready.items() if t in self._deferred and check()]:
+            self._post(self._deferred.pop(tid), now_ns)
+        for tid in list(self._writes):
+            self._poll_write(tid, now_ns)
+        nxt = self.table.next_deadline_ns()
+        if nxt is not None and nxt <= now_ns:
+            self._run(self.table.tick(now_ns), now_ns)
+
+    def quiescent(self, transfer_ids: list[str]) -> bool:
+        """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
+        return not any(t in self._writes or t in self._deferred for t in transfer_ids)
+
+    def writing(self) -> bool:
+        """A WRITE is in flight or waits for its KV (GPU): only our polling moves it on."""
+        return bool(self._writes or self._deferred)
+
+    def awaiting_network(self) -> bool:
+        """Blocks held for a registration (or a peer's answer) that has not come yet."""
+        return self.table.awaiting_network()
+
+    # ------------------------------------------------------------------ actions
+    def _run(self, actions: list, now_ns: int) -> None:
+        for a in actions:
+            if isinstance(a, ev.IssueWrite):
+                check = self._ready.get(a.transfer_id)
+                if check is not None and not check():
+                    self._deferred[a.transfer_id] = a  # GPU: the step's event has not fired
+                else:
+                    self._post(a, now_ns)
+            elif isinstance(a, ev.FreeBlocks):
+                self._ready.pop(a.transfer_id, None)
+                self._ready_seen.discard(a.transfer_id)
+                rec = self.table.get(a.transfer_id)
+                self.spans.released(a.transfer_id, rec.reason if rec is not None else None)
+                self._deferred.pop(a.transfer_id, None)
+                self.finished.append(a.request_id)
+            elif isinstance(a, ev.AbortWrite):
+                self._abort(a.transfer_id, now_ns)
+            elif isinstance(a, ev.SendFail):
+                frame = m.encode(
+                    m.Fail(transfer_id=a.transfer_id, p_rank=self.me.rank, reason=a.reason)
+                )
+                for addr in a.to:
+                    self.peers.send(addr, frame, now_ns, self._count_send_failure)
+            elif isinstance(a, ev.ResendCompletion):
+                frame = self._completion(a.transfer_id, 0, 0)
+                for addr in a.to:
+                    self.peers.send(addr, frame, now_ns, self._count_send_failure)
+            else:
+                raise TypeError(f"unknown sender action {a!r}")
+
+    def _completion(self, tid: str, nbytes: int, descs: int) -> bytes:
+        return m.encode(
+            m.Completion(
+                transfer_id=tid,
+                p_rank=self.me.rank,
+                p_tp_size=self.me.tp_size,
+                bytes_total=nbytes,
+                descriptors=descs,
+            )
+        )
+
+    def _count_send_failure(self, exc: TransportError) -> None:
+        self.counters["send_failed"] += 1
+        logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
+
+    def _post(self, a: ev.IssueWrite, now_ns: int) -> None:
+        report = WriteReport(
+            a.transfer_id,
+            a.request_id,
+            False,
+            None,
+            time.time_ns(),
+            blocks=sum(len(g) for g in a.block_ids),
+            regions=len(self.layout.regions),
+            targets=tuple(r.d_addr.agent for r in a.registrations),
+        )
+        plans = []
+        try:
+            for reg in a.registrations:
+                if reg.num_tokens != a.num_tokens:
+                    raise LayoutError(
+                        f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"
+                    )
+                heads = self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
+                pieces = plan_transfer(
+                    self.layout,
+                    a.block_ids,
+                    reg.layout,
+                    reg.block_ids,
+                    first_token=reg.first_token,
+                    num_tokens=reg.num_tokens,
+                    heads=heads,
+                )
+                plans.append((reg, pieces))
+        except LayoutError as exc:
+            logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
+            self._run(
+                self.table.handle(
+                    ev.WriteFailed(a.transfer_id, m.FailReason.LAYOUT_MISMATCH, str(exc)), now_ns
+                ),
+                now_ns,
+            )
+            return
+        report.prepared_ns = time.time_ns()
+        w = self._writes[a.transfer_id] = _Write(report, unposted=len(plans))
+        for reg, pieces in plans:
+            report.bytes_total += pieces.bytes_total
+            report.descriptors += pieces.count
+            self.peers.when_ready(
+                reg.d_addr,
+                now_ns,
+                lambda reg=reg, pieces=pieces: self._post_one(w, reg, pieces),
+                lambda exc: self._unposted_failed(w, m.FailReason.HANDSHAKE, exc),
+            )
+        self._poll_write(a.transfer_id, now_ns)
+
+    def _post_one(self, w: _Write, reg: m.Register, pieces) -> None:
+        w.unposted -= 1
+        if w.aborting:
+            return
+        notif = self._completion(w.report.transfer_id, pieces.bytes_total, pieces.count)
+        try:
+            if pieces.count == 0:  # D already holds every token: nothing to move, say so
+                self._t.send_notif(reg.d_addr.agent, notif)
+                self.peers.ring(reg.d_addr.agent)
+                return
+            src, dst = pieces.as_descs(self.layout.device_id, reg.layout.device_id)
+            handle = self._t.write(
+                reg.d_addr.agent,
+                src,
+                dst,
+                notif,
+                src_mem=self.layout.mem_type,
+                dst_mem=reg.layout.mem_type,
+            )
+        except TransportError as exc:
+            self.peers.lost(reg.d_addr.agent, exc)
+            self._note_failure(w, m.FailReason.POST_ERROR, exc)
+            return
+        w.report.posted_ns = w.report.posted_ns or handle.posted_ns
+        w.handles.append(handle)
+        # D polls (steadily, connector.transfer.polling) until this WRITE's completion is in: over
+        # TCP it needs D's UCX progress.
+        self.peers.ring(reg.d_addr.agent, WRITE + write_key(self.me.rank, w.report.transfer_id))
+
+    def _unposted_failed(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
+        w.unposted -= 1
+        self._note_failure(w, reason, exc)
+
+    def _note_failure(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
+        self.counters[f"write_{reason.value}"] += 1
+        if w.failure is None:
+            w.failure, w.detail = reason, str(exc)
+            logger.warning(
+                "WRITE of transfer %s failed (%s): %s", w.report.transfer_id, reason.value, exc
+            )
+
+    def _poll_write(self, tid: str, now_ns: int) -> None:
+        w = self._writes.get(tid)
+        if w is None:
+            return
+        live = []
+        for h in w.handles:
+            try:
+                if not self._t.poll_write(h):
+                    live.append(h)
+                    continue
+                # DONE: NIXL has just sent the completion; D polls slowly until it comes.
+                self.peers.ring(h.peer, DONE + write_key(self.me.rank, w.report.transfer_id))
+            except TransportError as exc:
+                self.peers.lost(h.peer, exc)
+                reason = (
+                    m.FailReason.PEER_LOST
+                    if isinstance(exc, PeerDisconnected)
+                    else m.FailReason.WRITE_ERROR
+                )
+                self._note_failure(w, reason, exc)
+            self._release(h)
+        w.handles = live
+        if live or w.unposted:
+            return
+        del self._writes[tid]
+        w.report.done_ns = time.time_ns()
+        w.report.ok, w.report.reason = w.failure is None, w.failure
+        if self._on_write_finished is not None:
+            self._on_write_finished(w.report)
+        self.spans.write_finished(w.report)
+        event = ev.WriteDone(tid) if w.failure is None else ev.WriteFailed(tid, w.failure, w.detail)
+        self._run(self.table.handle(event, now_ns), now_ns)
+
+    def _release(self, h: WriteHandle) -> None:
+        try:
+            self._t.release(h)
+        except TransportError as exc:
+            logger.warning("Releasing a WRITE to %s failed: %s", h.peer, exc)
+
+    def _abort(self, tid: str, now_ns: int) -> None:
+        w = self._writes.get(tid)
+        if w is None:
+            return
+        w.aborting = True
+        self._note_failure(
+            w, m.FailReason.WRITE_TIMEOUT, TransportError("WRITE ran past its deadline")
+        )
+        still = []
+        for h in w.handles:
+            try:
+                self._t.release(h)  # NIXL cancels an unfinished WRITE on release
+            except TransportError as exc:
+                logger.warning("Cannot cancel WRITE of %s yet: %s", tid, exc)
+                still.append(h)  # keep polling: the blocks stay held until it ends
+        w.handles = still
+        self._poll_write(tid, now_ns)
+
+
+def _noop() -> None:
+    pass
+
+
+def _noop_fail(exc: TransportError) -> None:
+    pass

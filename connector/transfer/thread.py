@@ -1,0 +1,366 @@
+"""The transfer thread: the only thread that touches the transport.
+
+Owns: the loop that drains engine commands, reads notifications, drives the endpoints
+(P's ``Sender``, D's ``Receiver``, or both) and hands outcomes back. The engine talks to
+it only through ``submit`` and ``take_*`` (thread-safe), so the protocol core is never
+entered from two threads and nothing of the transfer runs on the engine's loop.
+
+Polling, not blocking: with NIXL's progress thread off, UCX progresses only inside our
+calls. How often the loop polls (fast for local work, steadily for a peer's WRITE into
+us, rarely while it only waits on a peer that rings its doorbell, ``connector.transfer.doorbell``)
+is ``connector.transfer.polling.Backoff``'s; a submit wakes it at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from connector.config import PushkvConfig
+from connector.core import events as ev
+from connector.core import messages as m
+from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
+from connector.transfer.doorbell import Doorbell, IncomingWrites, Rings, write_key
+from connector.transfer.peers import Peers
+from connector.transfer.polling import Backoff
+from connector.transfer.receiver import Received, Receiver
+from connector.transfer.sender import Sender
+from connector.transport.base import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Reclaim:
+    transfer_ids: list[str]
+    done: threading.Event
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in the kernel (``top -H``, ``/proc/*/task/*/comm``),
+    so that its CPU shows apart from the engine's; Linux keeps the first 15 bytes. Threads
+    it starts (a lazily created exporter's, UCX's) inherit the name."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is cosmetic
+        pass
+
+
+def _unpin() -> None:
+    """Let this thread run on every CPU its server may use. vLLM's CPU worker pins its
+    process (and so every thread it starts) to the cores of its OpenMP pool, where the
+    engine loop spins; a transfer thread stuck behind it delays the WRITE and its
+    notifications by seconds. The server's own mask (taskset, numactl, a cpuset: the
+    operator's choice) is kept: it is read from the parent process (vLLM's EngineCore or
+    API server, which vLLM does not pin). Widening past it put D's thread on P's core on a
+    2-core host and doubled P's median TTFT at 16 concurrent requests."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        allowed = os.sched_getaffinity(0)
+        server = os.sched_getaffinity(os.getppid()) | allowed  # never narrower than now
+        if server != allowed:
+            os.sched_setaffinity(0, server)  # pid 0: the calling thread only
+            logger.info(
+                "Transfer thread moved from CPUs %s to %s",
+                sorted(allowed),
+                sorted(os.sched_getaffinity(0)),
+            )
+    except OSError as exc:  # a cpuset may forbid it, the parent may be gone: keep the mask
+        logger.info("Transfer thread keeps its CPU mask: %s", exc)
+
+
+class _Waker(Protocol):
+    def wake(self) -> None: ...
+    def wait(self, timeout_s: float) -> Rings: ...
+
+
+class _EventWaker:
+    """The waker without a doorbell: only the engine (submit, stop) wakes the thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout_s: float) -> Rings:
+        if self._event.wait(timeout_s):
+            self._event.clear()
+            return Rings(True)
+        return Rings(False)
+
+
+class TransferThread:
+    def __init__(
+        self,
+        transport: Transport,
+        peers: Peers,
+        *,
+        sender: Sender | None = None,
+        receiver: Receiver | None = None,
+        name: str = "pushkv-transfer",
+        bell: Doorbell | None = None,
+        backoff: Backoff | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        """``backoff``: the polling policy (default: ``PushkvConfig``'s defaults for
+        this ``bell``, as ``PushkvConfig.backoff`` builds it)."""
+        if sender is None and receiver is None:
+            raise ValueError("a transfer thread needs a sender, a receiver or both")
+        self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
+        self._backoff = backoff if backoff is not None else PushkvConfig().backoff(bell is not None)
+        self._clock = clock
+        self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
+        self._bell = bell
+        self._wake: _Waker = bell if bell is not None else _EventWaker()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sent: list[str] = []
+        self._recvd: list[Received] = []
+        self._results = threading.Event()  # set while _sent or _recvd holds something
+        self._pending_push = 0
+        self._quiesce: list[tuple[list[str], threading.Event]] = []
+        self.counters: Counter[str] = Counter()
+        self._incoming = IncomingWrites(self.counters) if bell is not None else None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # ------------------------------------------------------------------ engine side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, event: Any, ready: Callable[[], bool] | None = None, note: Any = None) -> None:
+        """Hand an engine event (PrefillDone, PrefillAborted, Expected, AbortRequested) over.
+        ``ready``: for PrefillDone on GPU, says when the KV is computed (a CUDA event).
+        ``note``: the engine's timestamps for the event's spans (``connector.transfer.spans``)."""
+        self._inbox.put((event, ready, note))
+        self._wake.wake()
+
+    def reclaim(self, transfer_ids: list[str], timeout_s: float) -> bool:
+        """P: vLLM took these transfers' source blocks back. Block until no WRITE reads
+        them (so the caller's next forward cannot overwrite what a WRITE still reads);
+        False if that took longer than ``timeout_s``."""
+        done = threading.Event()
+        self._inbox.put((_Reclaim(list(transfer_ids), done), None, None))
+        self._wake.wake()
+        return done.wait(timeout_s)
+
+    def take_finished_sending(self) -> list[str]:
+        with self._lock:
+            out, self._sent = self._sent, []
+            if not self._recvd:
+                self._results.clear()
+        return out
+
+    def take_finished_recving(self) -> list[Received]:
+        with self._lock:
+            out, self._recvd = self._recvd, []
+            if not self._sent:
+                self._results.clear()
+        return out
+
+    def wait_for_results(self, timeout_s: float) -> bool:
+        """Block until a transfer result is ready to take (True) or ``timeout_s`` passed.
+        For an engine step with nothing else to do (see ``PushkvConfig.idle_step_wait_s``)."""
+        return self._results.wait(timeout_s)
+
+    @property
+    def transfers_pending(self) -> bool:
+        """A result may come: D awaits KV, or P holds blocks it has not handed back."""
+        return (
+            self._pending_push > 0
+            or not self._inbox.empty()
+            or (self.receiver is not None and self.receiver.busy())
+        )
+
+    @property
+    def pending_push_work(self) -> bool:
+        """P still holds blocks it owes the scheduler (has_pending_push_work)."""
+        return self._pending_push > 0 or not self._inbox.empty()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.error(
+                    "Transfer thread %s did not stop within %.1fs", self._thread.name, timeout_s
+                )
+                return  # still inside wait(): leave the bell's sockets to the process
+        if self._bell is not None:
+            self.counters.update({f"bell_{k}": v for k, v in self._bell.counters.items()})
+            self._bell.close()
+            self._bell = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        _name_os_thread(self._thread.name)
+        _unpin()
+        woken, rung = False, False
+        while not self._stop.is_set():
+            self.counters["polls"] += 1
+            try:
+                active = self._step()
+            except Exception:  # never let one bad iteration kill the thread
+                self.counters["loop_errors"] += 1
+                logger.exception("Transfer thread iteration failed; continuing")
+                active = False
+            now_s = self._clock() / 1e9
+            incoming = self._incoming is not None and self._incoming.pending(now_s)
+            remote = self._remote_busy()
+            delay = self._backoff.next(
+                now_s,
+                active=active,
+                woken=woken,
+                rung=rung,
+                local=self._local_busy(),
+                remote=remote,
+                incoming=incoming,
+                trusted=remote and self._peers_ring(),
+            )
+            rings = self._wake.wait(delay)
+            woken, rung = rings.woken, rings.messages > 0
+            if self._incoming is not None and (rings.writes or rings.dones):
+                self._incoming.announced(rings.writes, self._clock() / 1e9)
+                # A WRITE bell announces work (incoming), not news; a DONE bell is news
+                # unless its completion is in already.
+                rung = rung or any(self._incoming.done_rung(k) for k in rings.dones)
+
+    def _local_busy(self) -> bool:
+        """Work of ours that needs UCX progress to finish: a dial, a WRITE in flight."""
+        return self._peers.dialing or (self.sender is not None and self.sender.writing())
+
+    def _remote_busy(self) -> bool:
+        """Waiting on a peer: P for a registration, D for its KV."""
+        return (self.sender is not None and self.sender.awaiting_network()) or (
+            self.receiver is not None and self.receiver.busy()
+        )
+
+    def _peers_ring(self) -> bool:
+        """Every peer we wait on has rung us before, so its news will ring too. Only D
+        knows whom it waits on (P waits for registrations from any D)."""
+        bell = self._bell
+        if bell is None or self.receiver is None:
+            return False
+        if self.sender is not None and self.sender.awaiting_network():
+            return False
+        return all(bell.heard_from(host, port) for host, port in self.receiver.awaited_addrs())
+
+    def _step(self) -> bool:
+        """One iteration; True if anything happened (keep polling fast)."""
+        now = self._clock()
+        active = False
+        while True:
+            try:
+                event, ready, note = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            active = True
+            self._dispatch_event(event, ready, note, now)
+        try:
+            notifs = self._t.get_notifs()
+        except TransportError as exc:
+            self.counters["get_notifs_failed"] += 1
+            logger.warning("Reading notifications failed: %s", exc)
+            notifs = []
+        for agent, frame in notifs:
+            active = True
+            self._dispatch_frame(agent, frame, now)
+        self._peers.poll(now)
+        if self.sender is not None:
+            self.sender.poll(now)
+        if self.receiver is not None:
+            self.receiver.poll(now)
+        if self._quiesce and self.sender is not None:
+            still = []
+            for tids, done in self._quiesce:
+                (done.set() if self.sender.quiescent(tids) else still.append((tids, done)))
+            self._quiesce = still
+        self._publish()
+        return active
+
+    def _dispatch_event(
+        self, event: Any, ready: Callable[[], bool] | None, note: Any, now: int
+    ) -> None:
+        if isinstance(event, _Reclaim):
+            if self.sender is None:
+                event.done.set()
+                return
+            for tid in event.transfer_ids:
+                self.sender.on_event(ev.SourceReclaimed(tid), now)
+            self._quiesce.append((event.transfer_ids, event.done))
+            return
+        try:
+            if isinstance(event, (ev.PrefillDone, ev.PrefillAborted)) and self.sender is not None:
+                self.sender.on_event(event, now, ready, note)
+            elif (
+                isinstance(event, (ev.Expected, ev.AbortRequested, ev.NotNeeded))
+                and self.receiver is not None
+            ):
+                self.receiver.on_event(event, now, note=note)
+            else:
+                raise TypeError(f"no endpoint takes {type(event).__name__}")
+        except PushkvError:
+            # Our bug (LocalProtocolError) or a layout we cannot serve: log it once with
+            # the transfer id; the transfer's deadline still ends it definitely.
+            self.counters["event_errors"] += 1
+            logger.exception("Handling %s failed", event)
+
+    def _dispatch_frame(self, agent: str, frame: bytes, now: int) -> None:
+        if not m.is_frame(frame):
+            self.counters["foreign_notifs"] += 1
+            return
+        try:
+            msg = m.decode(frame)
+        except RemoteProtocolError as exc:
+            self._drop("malformed_notifs", "Dropped a notification from %s: %s", agent, exc)
+            return
+        if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)):
+            target: Sender | Receiver | None = self.sender
+        else:
+            target = self.receiver
+            if isinstance(msg, (m.Completion, m.Fail)) and self._incoming is not None:
+                self._incoming.landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
+        if target is None:
+            self.counters["misrouted_notifs"] += 1
+            return
+        target.on_message(agent, msg, now)
+
+    def _drop(self, counter: str, fmt: str, *args: Any) -> None:
+        """Count a dropped message; log the 1st, 2nd, 4th, 8th... so a flood stays quiet."""
+        self.counters[counter] += 1
+        n = self.counters[counter]
+        if n & (n - 1) == 0:
+            logger.warning(fmt + " (%d so far)", *args, n)
+
+    def _publish(self) -> None:
+        s, r = self.sender, self.receiver
+        if (s is None or not s.finished) and (r is None or not r.finished):
+            if s is not None:
+                self._pending_push = s.table.holding_blocks()
+            return
+        with self._lock:
+            if s is not None:
+                self._sent += s.finished
+                s.finished = []
+            if r is not None:
+                self._recvd += r.finished
+                r.finished = []
+            if self._sent or self._recvd:
+                self._results.set()
+        if s is not None:
+            self._pending_push = s.table.holding_blocks()

@@ -1,0 +1,51 @@
+"""Who writes which KV heads to whom, for one P rank or one D rank, cached per TP size.
+
+Owns: the rank identity (`RankInfo`) and the head-split answers the endpoints need. Pure
+(built on core.heads); no vLLM, no NIXL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from connector.core.heads import HeadRange, assign_writers, head_range, sources_of, targets_of
+from connector.core.messages import PeerAddr
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank of one engine, and where its transport agent listens."""
+
+    engine_id: str
+    rank: int
+    tp_size: int
+    addr: PeerAddr
+
+
+@lru_cache(maxsize=256)
+def _assignment(p_tp: int, d_tp: int, num_kv_heads: int) -> dict[tuple[int, int], HeadRange]:
+    return assign_writers(
+        [head_range(p, p_tp, num_kv_heads) for p in range(p_tp)],
+        [head_range(d, d_tp, num_kv_heads) for d in range(d_tp)],
+    )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The head split between a P engine of ``p_tp`` ranks and D engines of any TP size."""
+
+    num_kv_heads: int
+    p_tp: int
+
+    def targets(self, p_rank: int, d_tp: int) -> frozenset[int]:
+        """D ranks that ``p_rank`` writes into."""
+        return frozenset(targets_of(_assignment(self.p_tp, d_tp, self.num_kv_heads), p_rank))
+
+    def sources(self, d_rank: int, d_tp: int) -> tuple[int, ...]:
+        """P ranks that write into ``d_rank``: one completion is expected from each."""
+        return sources_of(_assignment(self.p_tp, d_tp, self.num_kv_heads), d_rank)
+
+    def heads(self, p_rank: int, d_rank: int, d_tp: int) -> HeadRange:
+        """Global KV heads ``p_rank`` writes into ``d_rank``."""
+        return _assignment(self.p_tp, d_tp, self.num_kv_heads)[(p_rank, d_rank)]

@@ -1,0 +1,157 @@
+"""The benchmark harness's pure parts: CPU lists, server pinning, open-loop arrivals, aggregation."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import aggregate
+from connector.tools.bench.vllm_bench import Workload, bench_command
+from connector.tools.pdstack import cpu_set
+from connector.tools.stack import VllmServer
+
+
+def test_cpu_lists_parse_like_vllms_omp_bind() -> None:
+    assert cpu_set("0") == {0}
+    assert cpu_set("0-3") == {0, 1, 2, 3}
+    assert cpu_set("0,2-3") == {0, 2, 3}
+    for bad in ("", "a", "1-", "0;1"):
+        with pytest.raises(ValueError):
+            cpu_set(bad)
+
+
+class _AffinityProbe(VllmServer):
+    def command(self) -> list[str]:  # a child that reports its CPU mask, not vLLM
+        return [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU masks")
+def test_a_pinned_server_starts_inside_its_cpu_mask(tmp_path: Path) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    server = _AffinityProbe(
+        tmp_path, port=1, log_path=tmp_path / "probe.log", cpu_affinity=frozenset({cpu})
+    )
+    server.start()
+    try:
+        assert server._proc is not None
+        assert server._proc.wait(timeout=30) == 0
+        assert server.log.read_text().splitlines()[-1] == f"[{cpu}]"
+    finally:
+        server.stop()  # closes the log; kills the child if it did not exit
+
+
+def test_open_loop_rate_reaches_measured_runs_but_not_the_warm_up(tmp_path: Path) -> None:
+    w = Workload(request_rate=12.5)
+    measured = bench_command("http://x", tmp_path, w, 16, 128, 0, tmp_path / "c16.json")
+    warmup = bench_command("http://x", tmp_path, w, 4, 8, 0, None)
+    assert measured[measured.index("--request-rate") + 1] == "12.5"
+    assert "--max-concurrency" in measured  # the level's cap still holds
+    assert "--request-rate" not in warmup
+    assert "--request-rate" not in bench_command(
+        "http://x", tmp_path, Workload(), 4, 8, 0, tmp_path / "c4.json"
+    )
+
+
+def _run(folder: Path, rate: float | None, ttft: float) -> Path:
+    folder.mkdir()
+    result = {
+        "config": "push",
+        "concurrency": 16,
+        "ok": True,
+        "reason": "",
+        "metrics": {
+            "median_ttft_ms": ttft,
+            "p90_ttft_ms": ttft,
+            "mean_tpot_ms": 5.0,
+            "median_e2el_ms": 300.0,
+            "request_throughput": 9.9,
+        },
+    }
+    (folder / "results.json").write_text(
+        json.dumps({"workload": {"request_rate": rate}, "results": [result]})
+    )
+    return folder
+
+
+def test_aggregate_never_mixes_closed_and_open_loop_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = [
+        _run(tmp_path / "a", None, 100.0),
+        _run(tmp_path / "b", 10.0, 300.0),
+        _run(tmp_path / "c", None, 200.0),
+    ]
+    assert aggregate.main([str(r) for r in runs]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[2], r[3], r[4]) for r in rows] == [("closed", "2", "150.0"), ("10/s", "1", "300.0")]
+
+
+def test_aggregate_names_a_folder_without_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert aggregate.main([str(tmp_path / "nowhere")]) == 2
+    assert "no results.json in" in capsys.readouterr().err
+
+
+def test_repeats_rotate_the_order_and_report_the_medians(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from connector.tools.bench import serve_bench
+    from connector.tools.bench.report import LevelResult
+
+    calls: list[tuple[str, str]] = []
+    ttft = {"push": iter([60.0, 80.0, 70.0]), "vllm-push-noprog": iter([120.0, 100.0, 110.0])}
+
+    def fake_run_config(config, model, run_dir, workload, log, pin_servers):  # noqa: ANN001
+        calls.append((run_dir.name, config.name))
+        result = LevelResult(
+            config.name,
+            16,
+            8,
+            True,
+            metrics={"median_ttft_ms": next(ttft[config.name]), "mean_tpot_ms": 8.0},
+        )
+        return serve_bench.ConfigRun([result], 1.0, {})
+
+    monkeypatch.setattr(serve_bench, "run_config", fake_run_config)
+    monkeypatch.setattr(serve_bench, "make_tiny_model", lambda: tmp_path / "model")
+    code = serve_bench.main(
+        [
+            "--configs",
+            "push",
+            "vllm-push-noprog",
+            "--levels",
+            "16:8",
+            "--repeats",
+            "3",
+            "--no-wait",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    assert code == 0
+    assert calls == [
+        ("round-1", "push"),
+        ("round-1", "vllm-push-noprog"),
+        ("round-2", "vllm-push-noprog"),
+        ("round-2", "push"),
+        ("round-3", "push"),
+        ("round-3", "vllm-push-noprog"),
+    ]
+    top = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {r["config"]: r["metrics"]["median_ttft_ms"] for r in top["results"]} == {
+        "push": 70.0,
+        "vllm-push-noprog": 110.0,
+    }
+    assert top["rounds"] == ["round-1", "round-2", "round-3"]
+    assert (tmp_path / "run" / "round-2" / "report.md").is_file()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "median over 3 rounds" in report and "in 3 of 3 rounds" in report
+    # --rerender rebuilds each round, then the medians, from the saved files alone.
+    (tmp_path / "run" / "report.md").unlink()
+    assert serve_bench.main(["--rerender", str(tmp_path / "run")]) == 0
+    assert "median over 3 rounds" in (tmp_path / "run" / "report.md").read_text()
