@@ -1,12 +1,13 @@
 """Where the CPU goes during a benchmark: per role (P, D, router, load generator) and thread.
 
-Run: python -m bench.cpu_split [--min-share 0.4] -- pushkv bench --configs push vllm-push-noprog --levels 16:480
+Run: python -m bench.cpu_split [--min-share 0.4] --
+         pushkv bench --configs push vllm-push-noprog --levels 16:480
 Runs the command (its output passes through), samples every thread's CPU ticks from
 ``/proc`` once a second meanwhile, and then prints, for every ``vllm bench serve`` run of
 it that lasted long enough (the warm-ups and each level, in the order they ran), each
-role's and each busy thread's share of one core over that run. Roles come from the stack lines the benchmark
-prints (``prefill http://... pid N``): a process belongs to the role of the nearest
-ancestor named there; ``vllm bench serve`` processes are the load generator.
+role's and each busy thread's share of one core over that run. Roles come from the stack
+lines the benchmark prints (``prefill http://... pid N``): a process belongs to the role of
+the nearest ancestor named there; ``vllm bench serve`` processes are the load generator.
 
 Linux only; CPU ticks are 1/100 s (``SC_CLK_TCK``). Owns nothing the connector imports.
 """

@@ -103,7 +103,8 @@ def main() -> int:
         p.stop()
         d.stop()
     print(
-        "\n| tokens | D blocks | MiB | descriptors | prep ms | WRITE ms | P ready → D counted ms | GB/s |"
+        "\n| tokens | D blocks | MiB | descriptors | prep ms | WRITE ms "
+        "| P ready → D counted ms | GB/s |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -134,7 +134,8 @@ def main() -> int:
                 f"(launch took {(launched - t0) / 1e6:.1f} ms); event seen "
                 f"{(seen - gpu_done) / 1e6:+.2f} ms after the host sync; WRITE posted "
                 f"{(rep.posted_ns - gpu_done) / 1e6:+.2f} ms after it, "
-                f"{rep.bytes_total / 2**20:.0f} MiB in {(rep.done_ns - rep.posted_ns) / 1e6:.2f} ms; "
+                f"{rep.bytes_total / 2**20:.0f} MiB in "
+                f"{(rep.done_ns - rep.posted_ns) / 1e6:.2f} ms; "
                 f"D holds the final bytes in {final}/{total}"
             )
             if control:

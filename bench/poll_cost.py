@@ -5,9 +5,9 @@ every 20 ms, its prefill done 30 ms later, so transfers overlap).
 
 Run: python -m bench.poll_cost [--transfers 150] [--no-doorbell]
 Prints one line per measurement (CPU per transfer and each transfer's latency from P's
-prefill done to D counting its KV, then D's CPU while it waits); compare with and without ``--no-doorbell`` (doorbells:
-``connector/transfer/doorbell.py``). CPU is the whole rank process (its transfer thread and the
-command loop that feeds it), from ``getrusage``.
+prefill done to D counting its KV, then D's CPU while it waits); compare with and without
+``--no-doorbell`` (doorbells: ``connector/transfer/doorbell.py``). CPU is the whole rank
+process (its transfer thread and the command loop that feeds it), from ``getrusage``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def awaiting_kv(p: RankProcess, d: RankProcess, seconds: float) -> tuple[float, 
     c0, t0 = d.cpu_seconds(), time.monotonic()
     time.sleep(seconds)  # measuring an interval, not waiting for an event
     idle = (d.cpu_seconds() - c0) / (time.monotonic() - t0)
-    held = p.call("counters")[3]  # transfers in P's table
+    held = p.counters().transfers
     d.submit(expected_event("never", [p.spec], d.spec, (1, 2, 3), 48))
-    p.wait("D's registration", lambda r: r.call("counters")[3] > held, 10)
+    p.wait("D's registration", lambda r: r.counters().transfers > held, 10)
     c0, t0 = d.cpu_seconds(), time.monotonic()
     time.sleep(seconds)
     return idle, (d.cpu_seconds() - c0) / (time.monotonic() - t0)

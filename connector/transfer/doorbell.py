@@ -169,10 +169,10 @@ class Doorbell:
 class IncomingWrites:
     """Peers' WRITEs into us (``write_key``) that a bell announced and whose completion has
     not come: the thread keeps polling (every ``poll_incoming_s``) while any is ``pending``,
-    but no longer than ``max_wait_s`` after its bell (a peer that died mid-WRITE, a forged bell). A completion
-    can beat its bell (the two travel apart): every completion is remembered as landed for
-    ``max_wait_s``, so a late WRITE bell starts no wait and a DONE bell that comes after
-    its completion no fast polls. Pure: the clock is an argument."""
+    but no longer than ``max_wait_s`` after its bell (a peer that died mid-WRITE, a forged
+    bell). A completion can beat its bell (the two travel apart): every completion is
+    remembered as landed for ``max_wait_s``, so a late WRITE bell starts no wait and a DONE
+    bell that comes after its completion no fast polls. Pure: the clock is an argument."""
 
     def __init__(
         self, counters: Counter[str], max_wait_s: float = 0.05, max_tracked: int = 4096

@@ -42,7 +42,10 @@ function pushkvPlotly(src) {
       const s = document.createElement("script");
       s.src = new URL(src, document.baseURI).href;
       s.onload = () => resolve(window.Plotly);
-      s.onerror = () => { window.__pushkvPlotly = null; reject(new Error("could not load " + src)); };
+      s.onerror = () => {
+        window.__pushkvPlotly = null;
+        reject(new Error("could not load " + src));
+      };
       document.head.appendChild(s);
     });
   }

@@ -5,17 +5,18 @@ Owns: the per-configuration sequence (start the stack on free ports, warm up, on
 processes and ports are gone: ``run_config``), the log signals counted per stack, the run
 folder ``runs/bench-<timestamp>/`` (``bench.log``, one log per process and per run, the
 rounds of ``--repeats``) and ``main``. Running ``vllm bench serve`` itself lives in
-``connector.tools.bench.vllm_bench``, the configurations and stacks in ``connector.tools.bench.stacks``, the tables and
-ratios in ``connector.tools.bench.report``, writing (and ``--rerender``ing) a folder's ``results.json`` and
-``report.md`` in ``connector.tools.bench.run_folder``.
+``connector.tools.bench.vllm_bench``, the configurations and stacks in
+``connector.tools.bench.stacks``, the tables and ratios in ``connector.tools.bench.report``,
+writing (and ``--rerender``ing) a folder's ``results.json`` and ``report.md`` in
+``connector.tools.bench.run_folder``.
 
-Every configuration (``connector.tools.bench.stacks.CONFIGS``) sees the same model (``make_tiny_model()``),
-P/D flags, CPU binding and prompts: ``vllm bench serve --dataset-name random`` with the same
-``--seed`` per concurrency level (a different seed per level, so a level never hits the
-prefix cache with the previous level's prompts). A warm-up run (its own seed; its JSON is
-kept only to check that every warm-up request completed, and is not a result) comes first
-on each stack. A configuration that fails (start-up, warm-up, a hang past the
-limit) is recorded as failed with the reason, and the run goes on.
+Every configuration (``connector.tools.bench.stacks.CONFIGS``) sees the same model
+(``make_tiny_model()``), P/D flags, CPU binding and prompts: ``vllm bench serve
+--dataset-name random`` with the same ``--seed`` per concurrency level (a different seed per
+level, so a level never hits the prefix cache with the previous level's prompts). A warm-up
+run (its own seed; its JSON is kept only to check that every warm-up request completed, and
+is not a result) comes first on each stack. A configuration that fails (start-up, warm-up, a
+hang past the limit) is recorded as failed with the reason, and the run goes on.
 
 Must not import vLLM, NIXL or torch: everything vLLM runs in child processes.
 """
@@ -80,7 +81,8 @@ LOG_SIGNALS: dict[str, str] = {
     "handshake_failed": "handshake_setup_failed",
     "traceback": "Traceback (most recent call last)",
     "error": " ERROR ",
-    "cpu_pin_undone": "connector.tools.bench.vllm_keepcpu: kept CPUs",  # = connector.tools.bench.vllm_keepcpu.KEPT_MARKER
+    # = connector.tools.bench.vllm_keepcpu.KEPT_MARKER
+    "cpu_pin_undone": "connector.tools.bench.vllm_keepcpu: kept CPUs",
 }
 
 Log = Callable[[str], None]

@@ -33,8 +33,8 @@ from connector.tools.stack import VllmServer, group_pids, port_is_free
 
 NOPROG_MODULE = "connector.tools.bench.vllm_noprog"
 KEEPCPU_MODULE = "connector.tools.bench.vllm_keepcpu"
-# connector.tools.bench.vllm_keepcpu.KEEP_CPU_BINDING_KEY: undo vLLM's pin of P's and D's model runners to the
-# same core (without it the progress-thread-off stacks livelock on 2 cores).
+# connector.tools.bench.vllm_keepcpu.KEEP_CPU_BINDING_KEY: undo vLLM's pin of P's and D's model
+# runners to the same core (without it the progress-thread-off stacks livelock on 2 cores).
 KEEP_CPU_EXTRA_CONFIG: Mapping[str, Any] = {"bench_keep_cpu_binding": True}
 # What other engineers' servers look like (API server command line, EngineCore's proctitle).
 VLLM_PROCESS_PATTERN = "vllm.entrypoints|VLLM::"

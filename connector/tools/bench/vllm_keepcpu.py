@@ -3,8 +3,8 @@
 Owns: the wrapper that undoes the CPU pin of vLLM's NIXL worker when
 ``kv_connector_extra_config`` has ``"bench_keep_cpu_binding": true``, and two re-exports under
 vLLM's own names (``NixlConnector``, ``NixlPushConnector``; vLLM switches behaviour on the
-name in ``kv_connector``, so the names must not change). ``connector.tools.bench.vllm_noprog`` imports this
-module, so the same switch works there.
+name in ``kv_connector``, so the names must not change). ``connector.tools.bench.vllm_noprog``
+imports this module, so the same switch works there.
 
 Why: ``NixlBaseConnectorWorker.__init__`` (``vllm/distributed/kv_transfer/kv_connector/v1/
 nixl/base_worker.py``) calls ``os.sched_setaffinity(0, <last core of each NUMA node>)``

@@ -1,4 +1,4 @@
-"""compose.yaml: Jaeger v2 pinned and healthy-checked, the dashboard built here and waiting for it."""
+"""compose.yaml: Jaeger v2 pinned and health-checked; the dashboard built here waits for it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The benchmark harness's pure parts: CPU lists, server pinning, open-loop arrivals, aggregation."""
+"""The benchmark harness's pure parts: CPU lists, server pinning, open-loop arrivals,
+aggregation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Unit tests of connector/tools/tinymodel.py: determinism, caching, and loadability with transformers.
+"""Unit tests of connector/tools/tinymodel.py: determinism, caching, and loading with
+transformers.
 
 No vLLM here; transformers is only needed for the loading test (skipped without it).
 """

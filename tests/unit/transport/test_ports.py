@@ -1,4 +1,5 @@
-"""connector.transport.ports.free_port: outside the ephemeral range, free for TCP and UDP, never twice."""
+"""connector.transport.ports.free_port: outside the ephemeral range, free for TCP and UDP,
+never twice."""
 
 from __future__ import annotations
 
