@@ -42,8 +42,8 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     # Idle with a doorbell: every peer's news rings, and an engine event wakes the thread, so
     # the idle poll only catches a peer without doorbells (whose registration P then takes
-    # up at its own prefill's end at the latest). One idle poll costs ~300 µs of UCX progress
-    # here: at 50 ms that was 0.6 % of a core per rank, a quarter of an idle pair's budget.
+    # up at its own prefill's end at the latest). Each idle poll is a round of UCX progress,
+    # so this sets an idle pair's CPU (``python -m bench.poll_cost``).
     poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=5.0)] = 0.5
     # Doorbells (connector/transfer/doorbell.py): a peer that sends us something also sends a UDP
     # datagram to our side-channel port number, so a thread that only waits on its peer
@@ -53,19 +53,18 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     doorbells: bool = True
     poll_bell_fallback_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.005
     # D, once every P rank it waits on has rung it before: their WRITEs and completions
-    # ring too, so this poll only covers a dropped datagram. At 5 ms, D waiting for KV
-    # polled 200 times a second on the core of its decode steps (4.4 % of it here).
+    # ring too, so this poll only covers a dropped datagram, and D's polls stay off the core
+    # of its decode steps (``python -m bench.poll_cost``).
     poll_bell_trusted_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     # D, while a P's WRITE into it is in flight: over TCP it completes only after D's UCX
     # progress took the bytes in (connector/transfer/polling.py); P rings again when it is DONE.
-    # Measured (bench/poll_cost.py, 128-token transfers every 20 ms): D's CPU per transfer
-    # 1.4-1.9 ms instead of 2.0-2.1 with polls from 20 µs up, the latency from prefill done
-    # to D counting the KV ~0.1-0.2 ms longer (median 2.15-2.26 ms); 0.5 and 1 ms cost more.
+    # A steady poll costs D less CPU per transfer than hot polling, for a little latency
+    # (``python -m bench.poll_cost`` prints both).
     poll_incoming_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.00025
     # An engine step that schedules nothing while a transfer is in progress (D waiting for
     # KV, P writing) waits up to this long for the transfer to end before it returns:
-    # vLLM's engine otherwise runs such empty steps back to back (about 1 kHz), which on a
-    # small host takes the CPU from P's prefill and D's API server. It returns as soon as
+    # vLLM's engine otherwise runs such empty steps back to back, which on a small host
+    # takes the CPU from P's prefill and D's API server. It returns as soon as
     # a result is in, so it never delays one. 0 turns it off.
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = 120.0

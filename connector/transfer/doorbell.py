@@ -2,22 +2,20 @@
 can sleep instead of polling NIXL every millisecond.
 
 With NIXL's progress thread off (on a small host it busy-polls a core), a notification
-is only seen when our thread calls into NIXL, so a D waiting for its KV used to poll at
-1 kHz: each wake-up costs 30-50 µs of CPU on these VMs whatever the primitive (measured:
-Event.wait, time.sleep, epoll alike), 4-5 % of a core on D's, where the decode steps run.
-A peer that sends us a notification (D its registration, P a WRITE's completion: NIXL
-sends it when P sees the WRITE DONE) or posts a WRITE into us (P) now also sends one UDP
-datagram to our listen port number; our thread, asleep in ``wait``, wakes and polls NIXL
-at once, and after a WRITE bell keeps polling (``connector.transfer.polling``) until that WRITE's
-completion is in (it may need our UCX progress). A bell is only a hint: it moves no data
-and decides nothing; a forged one costs polls for at most 50 ms. The thread still polls
-while it waits on a peer: every ``poll_bell_fallback_s`` while a peer it waits on has
-never rung it (a peer without doorbells, or one not heard from yet, is only slower), and
-every ``poll_bell_trusted_s`` once each has (only a dropped datagram waits that long).
+is only seen when our thread calls into NIXL, and every poll costs a wake-up on the core
+where D's decode steps run. A peer that sends us a notification (D its registration, P a
+WRITE's completion: NIXL sends it when P sees the WRITE DONE) or posts a WRITE into us (P)
+also sends one UDP datagram to our listen port number; our thread, asleep in ``wait``,
+wakes and polls NIXL at once, and after a WRITE bell keeps polling
+(``connector.transfer.polling``) until that WRITE's completion is in (it may need our UCX
+progress). A bell is only a hint: it moves no data and decides nothing; a forged one
+costs polls for at most ``IncomingWrites.max_wait_s``. The thread still polls while it
+waits on a peer: every ``poll_bell_fallback_s`` while a peer it waits on has never rung
+it (a peer without doorbells, or one not heard from yet, is only slower), and every
+``poll_bell_trusted_s`` once each has (only a dropped datagram waits that long).
 ``heard_from`` says who has rung: the datagram's source address is the ringer's doorbell,
-bound to its transport's host and port, so it matches the peer's ``PeerAddr``. Measured
-(``python -m bench.poll_cost [--no-doorbell]``, 2-core VM, loopback): D waiting for KV used
-6.5-7.7 % of a core without doorbells, 4.0-4.5 % with the 5 ms fallback, 0.9-1.1 % trusted.
+bound to its transport's host and port, so it matches the peer's ``PeerAddr``. What the
+doorbells save: ``python -m bench.poll_cost`` against ``--no-doorbell``.
 
 Owns: the UDP socket (bound to the transport's host and listen port number: TCP and UDP
 ports are separate, so the peer needs no new address), the local wake-up of the engine
@@ -28,6 +26,7 @@ are still in flight; pure). Used only by ``TransferThread`` (``wait``, ``wake``)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import select
 import socket
@@ -82,7 +81,7 @@ class Doorbell:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         # select(2), not epoll: epoll's timeout is whole milliseconds, and a WRITE in
-        # flight is polled every 20 µs at first.
+        # flight is first polled after far less (Backoff.hot_min_s).
         self._socks = [self._udp, self._wake_r]
         self._heard_from: set[tuple[str, int]] = set()  # doorbells that rang us
         self.counters: Counter[str] = Counter()
@@ -114,10 +113,9 @@ class Doorbell:
 
     def wake(self) -> None:
         """Wake our own thread (from any thread: the engine's submit, stop)."""
-        try:
+        # Full: a wake-up is already pending; closed: the thread has stopped. Nothing to wake.
+        with contextlib.suppress(OSError):
             self._wake_w.send(_LOCAL)
-        except (BlockingIOError, OSError):
-            pass  # full: a wake-up is already pending
 
     def wait(self, timeout_s: float) -> Rings:
         """Sleep until a bell, a local wake-up or ``timeout_s``; what woke it. Drains every

@@ -1,20 +1,20 @@
 """How long the transfer thread sleeps between polls (pure: the clock is an argument).
 
 With NIXL's progress thread off, UCX progresses only inside our calls, and every wake-up
-costs: 30-80 µs of CPU on these VMs whatever the primitive, plus the GIL taken from the
-engine's thread on the same core (D's decode steps, P's prefills). So the thread polls
-only as often as some work needs:
+costs CPU whatever the primitive, plus the GIL taken from the engine's thread on the same
+core (D's decode steps, P's prefills). So the thread polls only as often as some work
+needs (``python -m bench.poll_cost`` measures what the polls cost):
 
 - ``local``: our own work needs UCX progress (a WRITE in flight, a dial): poll from
   ``hot_min_s`` after anything happened, doubling to ``hot_max_s``. A WRITE in flight
-  backs off like any other wait: its DONE only frees P's blocks, and polling every 20 µs
-  for a WRITE's few ms took the CPU and the GIL from P's forward pass on its core.
+  backs off like any other wait: its DONE only frees P's blocks, and hot polls for all of
+  a WRITE take the CPU and the GIL from P's forward pass on its core.
 - ``incoming``: a peer's WRITE into us is in flight (it rang WRITE, its completion has not
   come). Over TCP the WRITE completes only after our UCX progress has taken the bytes in
-  and acknowledged them (measured on loopback: with D polling every 50 ms, 256 KiB took
-  30 ms), so it is polled every ``incoming_s``, steadily: the writer rings again when its
-  WRITE is DONE and the completion sent, and that ring brings us to it at once. (Polled
-  like local work, from 20 µs up, it took about seven wake-ups per WRITE.)
+  and acknowledged them, so a slow poll here slows the WRITE itself. It is polled every
+  ``incoming_s``, steadily (hot polls would cost several wake-ups per WRITE): the writer
+  rings again when its WRITE is DONE and the completion sent, and that ring brings us to
+  it at once.
 - ``remote``: we only wait on a peer. With no doorbell (``fallback_s`` None) that is
   polled like local work; with one the thread sleeps ``fallback_s`` (the peer rings when
   it sends), or ``trusted_s`` when every peer waited on has rung us before (``trusted``):
