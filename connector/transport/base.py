@@ -4,9 +4,13 @@ Owns: the ``Transport`` Protocol, ``WriteHandle``, the memory-kind names, descri
 validation and the per-peer dial (retry) bookkeeping shared by every implementation.
 Must not import: nixl, torch, vLLM, threads. numpy only (descriptors are Nx3 uint64).
 
+The Protocol holds only what the product calls (the transfer thread, the worker side);
+the concrete classes add ``name``, ``connect``, ``progress`` and ``register_tensors`` for
+tests, tools and benches.
+
 Contract (every implementation keeps it):
-- Nothing blocks except ``connect``. Progress (UCX) happens only inside transport calls,
-  so the transfer thread must keep calling ``poll_write``/``get_notifs``/``progress``:
+- Nothing on the Protocol blocks. Progress (UCX) happens only inside transport calls,
+  so the transfer thread must keep calling ``poll_write``/``get_notifs``:
   a notification sent before the endpoint is wired up, or a WRITE into a target over
   tcp (RMA emulated by active messages), moves only while both sides drive progress.
   A WRITE's notification leaves the initiator when *it* sees the WRITE complete (in
@@ -56,11 +60,6 @@ class Transport(Protocol):
     """A one-sided WRITE + notification fabric, driven from one thread."""
 
     @property
-    def name(self) -> str:
-        """This agent's name (what peers see as the sender of our notifications)."""
-        ...
-
-    @property
     def listen_address(self) -> tuple[str, int]:
         """Where peers fetch our metadata (host, port)."""
         ...
@@ -70,12 +69,6 @@ class Transport(Protocol):
     ) -> None:
         """Register (addr, nbytes) spans as WRITE sources/targets."""
         ...
-
-    def register_tensors(self, tensors: Sequence[Any]) -> None:
-        """Register contiguous torch tensors (CPU -> DRAM, CUDA -> VRAM on its device)."""
-        ...
-
-    def deregister_all(self) -> None: ...
 
     def request_peer(
         self, peer: str, host: str, port: int, *, retry_interval_s: float = 0.05
@@ -89,12 +82,6 @@ class Transport(Protocol):
 
     def poll_peer(self, peer: str, now_s: float) -> bool:
         """peer_ready, re-requesting every retry interval (the fetch never retries itself)."""
-        ...
-
-    def connect(
-        self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05
-    ) -> None:
-        """Blocking request_peer + poll_peer; PeerUnreachable after timeout_s."""
         ...
 
     def write(
@@ -124,11 +111,6 @@ class Transport(Protocol):
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """New notifications as (sender, message), oldest first per sender. Drives
         progress."""
-        ...
-
-    def progress(self) -> None:
-        """Drive progress without taking notifications (they wait for get_notifs). Sends
-        queued before an endpoint is wired up leave only while someone drives progress."""
         ...
 
     def remove_peer(self, peer: str) -> None:
@@ -273,5 +255,5 @@ class DialBook:
                     f"connect {peer!r} at {host}:{port}: no metadata after "
                     f"{timeout_s:.3g}s ({attempts} requests)"
                 )
-            # Short naps: the peer's listener answers within ~100 ms once it is up.
+            # Short naps, so an answer is taken in soon after it comes.
             sleep(min(0.005, max(0.0, deadline - now)))

@@ -5,12 +5,13 @@ Owns: ``FakeFabric`` (a registry of fake agents plus fault-injection knobs) and
 Must not import: nixl, torch, threads. Time comes from the fabric's ``clock``/``sleep``
 (only ``connect`` uses them), so tests can inject a fake clock.
 
-Faithful to NIXL where it matters to callers (measured, see shared/reference/nixl.md):
-a WRITE's notification reaches the target only after its bytes are in place; a peer
-whose metadata we hold but whose process died raises PeerDisconnected; a peer whose
-metadata we never loaded raises PeerUnknown; a receive-only target can get WRITEs and
-their notifications without the initiator's metadata, but cannot notify it back.
-Metadata exchange is immediate here (the real side channel: ~0.5 ms on loopback).
+Faithful to NIXL where it matters to callers (tests/integration/test_nixl_transport.py
+holds the real one to the same): a WRITE's notification reaches the target only after its
+bytes are in place; a peer whose metadata we hold but whose process died raises
+PeerDisconnected; a peer whose metadata we never loaded raises PeerUnknown; a
+receive-only target can get WRITEs and their notifications without the initiator's
+metadata, but cannot notify it back. Metadata exchange is immediate here (the real side
+channel takes a round trip).
 """
 
 from __future__ import annotations

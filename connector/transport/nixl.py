@@ -97,8 +97,8 @@ class NixlTransport:
     Metadata a peer sends us (it dialed us) or answers us (we dialed it) is loaded on
     the owner's next ``progress``/``get_notifs``/``peer_ready``/``poll_peer``. A peer whose
     metadata changed under the same name (restarted, or registered more memory) is
-    removed, then loaded: NIXL refuses new connection info over old (measured:
-    NIXL_ERR_NOT_ALLOWED, and the old entry is left unusable)."""
+    removed, then loaded: NIXL refuses new connection info over old (NIXL_ERR_NOT_ALLOWED,
+    and the old entry is left unusable)."""
 
     def __init__(
         self,
@@ -385,7 +385,7 @@ class NixlTransport:
         with _nixl_call("send notif", peer):
             agent.send_notif(peer, msg)
         # Once the endpoint is wired up the message leaves inside genNotif; before that
-        # it waits for progress (measured: ~10 progress calls), so give it one now.
+        # it waits for progress, so give it one now.
         self.progress()
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
@@ -404,9 +404,9 @@ class NixlTransport:
             self._inbox.extend((peer, bytes(m)) for peer, msgs in new.items() for m in msgs)
 
     def _drain(self, rounds: int) -> None:
-        """A few progress rounds, so UCX retires failed/cancelled requests. Measured: an
-        agent destroyed right after a WRITE failed on a dead peer, with no progress
-        between, aborts in UCX (``ucs_arbiter_group_is_empty(group)`` assertion)."""
+        """A few progress rounds, so UCX retires failed/cancelled requests: an agent
+        destroyed right after a WRITE failed on a dead peer, with no progress between,
+        aborts in UCX (``ucs_arbiter_group_is_empty(group)`` assertion)."""
         for _ in range(rounds):
             try:
                 self.progress()
