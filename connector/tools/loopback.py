@@ -8,13 +8,14 @@ integration tests. No vLLM. Children are started with ``spawn`` and stopped by P
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import time
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -24,6 +25,8 @@ from connector.core.heads import head_range
 from connector.core.layout import KVLayout, Region
 from connector.core.messages import PeerAddr
 from connector.core.state import ReceiverPolicy, SenderPolicy
+
+logger = logging.getLogger(__name__)
 
 Role = Literal["P", "D"]
 
@@ -105,6 +108,16 @@ class RankSpec:
             mem_type="VRAM" if cuda else "DRAM",
             device_id=int(buf.device.index or 0) if cuda else 0,
         )
+
+
+class RankCounters(NamedTuple):
+    """One rank's counters, as its ``counters`` command returns them."""
+
+    thread: dict[str, int]  # the transfer thread's, its doorbell's prefixed ``bell_``
+    endpoint: dict[str, int]  # the Sender's or Receiver's
+    dropped: dict[str, int]  # messages its table dropped, by kind
+    transfers: int  # transfers in its table
+    transport: dict[str, int]  # NixlTransport's metadata loads, by outcome
 
 
 def torch_int64() -> Any:
@@ -206,16 +219,14 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             elif cmd == "counters":
                 endpoint = thread.sender or thread.receiver
                 bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
-                conn.send(
-                    (
-                        "ok",
-                        {**thread.counters, **bells},
-                        dict(endpoint.counters),
-                        dict(endpoint.table.dropped),
-                        len(endpoint.table),
-                        dict(getattr(transport, "counters", {})),
-                    )
+                counters = RankCounters(
+                    thread={**thread.counters, **bells},
+                    endpoint=dict(endpoint.counters),
+                    dropped=dict(endpoint.table.dropped),
+                    transfers=len(endpoint.table),
+                    transport=dict(transport.counters),
                 )
+                conn.send(("ok", counters))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
     finally:
@@ -291,14 +302,18 @@ class RankProcess:
     def cpu_seconds(self) -> float:
         return self.call("cpu")[0]
 
+    def counters(self) -> RankCounters:
+        return self.call("counters")[0]
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop cleanly if possible; kill by PID otherwise. Idempotent."""
         if self.proc.is_alive():
             try:
                 self._conn.send(("stop",))
                 self._reply("stopped", timeout_s)
-            except (OSError, EOFError, TimeoutError, RuntimeError, BrokenPipeError):
-                pass
+            except (OSError, EOFError, TimeoutError, RuntimeError) as exc:
+                # Stuck, dead or confused: kill() below ends it either way.
+                logger.debug("%s did not stop cleanly (%r); killing it", self.spec.agent, exc)
         self.kill()
 
     def kill(self) -> None:

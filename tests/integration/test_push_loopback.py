@@ -85,7 +85,7 @@ def run_transfer(
     if registration_first:
         expect_all()
         for p in p_ranks:
-            p.wait("registration", lambda r: r.call("counters")[3] >= 1, timeout_s=10)
+            p.wait("registration", lambda r: r.counters().transfers >= 1, timeout_s=10)
         for p in p_ranks:
             p.submit(prefill)
     else:
@@ -167,7 +167,7 @@ def test_decode_killed_before_the_write_fails_on_p(cluster: Callable[..., RankPr
     p = cluster("P", "prefill", send_policy=SenderPolicy(lease_ns=30_000 * MS))
     d = cluster("D", "decode")
     d.submit(expected_event("dead-d", [p.spec], d.spec, (1, 2), 32))
-    p.wait("registration", lambda r: r.call("counters")[3] >= 1, timeout_s=10)
+    p.wait("registration", lambda r: r.counters().transfers >= 1, timeout_s=10)
     d.kill()
     p.submit(ev.PrefillDone("dead-d", "preq-dead-d", ((1, 2),), 32))
     # The WRITE (or the dial) fails; P gives its blocks back well before the lease.
@@ -182,7 +182,7 @@ def test_decode_killed_during_a_large_write(cluster: Callable[..., RankProcess])
     d = cluster("D", "decode", **big)
     blocks = tuple(range(0, 512, 1))[::-1]  # scattered on D: many descriptors, a slow WRITE
     d.submit(expected_event("big", [p.spec], d.spec, blocks, 512 * 32))
-    p.wait("registration", lambda r: r.call("counters")[3] >= 1, timeout_s=10)
+    p.wait("registration", lambda r: r.counters().transfers >= 1, timeout_s=10)
     p.submit(ev.PrefillDone("big", "preq-big", (tuple(range(512)),), 512 * 32))
     d.kill()
     p.wait("an outcome for the interrupted WRITE", lambda r: "preq-big" in r.sent, timeout_s=30)
@@ -198,7 +198,7 @@ def test_prefill_killed_gives_decode_a_failure(cluster: Callable[..., RankProces
         ),
     )
     d.submit(expected_event("dead-p", [p.spec], d.spec, (1, 2), 32))
-    p.wait("registration", lambda r: r.call("counters")[3] >= 1, timeout_s=10)
+    p.wait("registration", lambda r: r.counters().transfers >= 1, timeout_s=10)
     p.kill()
     d.wait("a definite outcome", lambda r: any(x.transfer_id == "dead-p" for x in r.received), 15)
     (got,) = d.received
@@ -216,7 +216,7 @@ def test_registration_for_a_prefill_that_never_comes_expires(
     d.wait("an outcome", lambda r: bool(r.received), timeout_s=15)
     assert not d.received[0].ok
     # P answered D's cancel (or its own expiry) with a Fail: D did not have to abandon.
-    assert d.call("counters")[1].get("send_failed", 0) == 0
+    assert d.counters().endpoint.get("send_failed", 0) == 0
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -263,8 +263,8 @@ def test_doorbells_wake_both_sides_and_a_peer_without_one_is_only_slower(
         d_blocks=(17, 13),
         num_tokens=32,
     )
-    p_heard = p.call("counters")[0].get("bell_heard", 0)
-    d_heard = d.call("counters")[0].get("bell_heard", 0)
+    p_heard = p.counters().thread.get("bell_heard", 0)
+    d_heard = d.counters().thread.get("bell_heard", 0)
     # D's registrations ring P; P rings D when it posts a WRITE.
     assert (p_heard >= 2) == (p_bell and d_bell), f"P heard {p_heard} bells"
     assert (d_heard >= 2) == (p_bell and d_bell), f"D heard {d_heard} bells"
