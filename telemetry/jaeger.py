@@ -166,5 +166,5 @@ def _error_message(resp: httpx.Response) -> str:
         if err.get("message"):
             return str(err["message"])
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        pass
+        pass  # not Jaeger's JSON error object: the body below says what went wrong
     return resp.text[:200].strip() or resp.reason_phrase

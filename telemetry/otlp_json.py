@@ -148,7 +148,7 @@ def _hex_id(raw: Any, nbytes: int, what: str) -> str:
             bytes.fromhex(raw)
             return raw.lower()
         except ValueError:
-            pass
+            pass  # not hex after all: it may still be base64, tried below
     try:
         decoded = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError):

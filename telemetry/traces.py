@@ -34,7 +34,6 @@ class RunFolderError(FileNotFoundError):
 class RunTraces:
     """What one run folder holds."""
 
-    folder: Path
     traces: tuple[Trace, ...]
     files: tuple[Path, ...]
     problems: tuple[str, ...]  # unreadable lines, one message each (file:line: why)
@@ -94,7 +93,7 @@ def read_run(folder: str | os.PathLike[str]) -> RunTraces:
             "the processes' id generators were seeded alike (e.g. by a seeded "
             "`random`); parent links to those ids are ambiguous"
         )
-    return RunTraces(path, tuple(traces), tuple(files), tuple(problems))
+    return RunTraces(tuple(traces), tuple(files), tuple(problems))
 
 
 def find_runs(root: str | os.PathLike[str], max_depth: int = 3) -> list[Path]:

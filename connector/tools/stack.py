@@ -108,7 +108,7 @@ def group_cpu_s(pgid: int) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
         except (OSError, ValueError, IndexError):
-            continue
+            continue  # exited while we looked
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

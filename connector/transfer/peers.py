@@ -43,7 +43,6 @@ class Peers:
         self._dials: dict[str, _Dial] = {}
         self._addrs: dict[str, PeerAddr] = {}  # every peer we dealt with: where to ring
         self._bell = bell
-        self.unreachable = 0
 
     def ring(self, agent: str, what: bytes = MESSAGE) -> None:
         """Wake ``agent``'s transfer thread: we just sent it something, or posted a WRITE."""
@@ -101,15 +100,16 @@ class Peers:
                     ready()
             elif now_ns >= dial.deadline_ns:
                 del self._dials[agent]
-                self.unreachable += 1
                 err = PeerUnreachable(
                     f"no metadata from {agent} at {dial.addr.host}:{dial.addr.port}"
                 )
                 logger.warning("%s", err)
                 try:
                     self._t.remove_peer(agent)
-                except TransportError:
-                    pass
+                except TransportError as exc:
+                    # Safe: its metadata never loaded, so only dial state may linger, and
+                    # the next use of this peer dials afresh.
+                    logger.debug("Forgetting unreachable peer %s failed: %s", agent, exc)
                 for _, fail in dial.waiting:
                     fail(err)
 

@@ -71,7 +71,6 @@ class _Push:
     reg_trace: TraceContext | None = None
     prefill_ns: int = 0  # prompt KV complete on this rank
     reg_first_ns: int = 0
-    reg_last_ns: int = 0
 
 
 @dataclass
@@ -148,7 +147,6 @@ class TransferSpans:
         rec = self._slot(self._push, tid, _Push)
         rec.reg_trace = rec.reg_trace or trace
         rec.reg_first_ns = rec.reg_first_ns or at_ns
-        rec.reg_last_ns = at_ns
 
     def _rendezvous(self, tid: str, rec: _Push, end_ns: int, error: str | None) -> Any:
         # The transfer serves D's leg: its spans hang under the context D's registration

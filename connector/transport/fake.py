@@ -20,7 +20,7 @@ import ctypes
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -93,7 +93,6 @@ class _FakeXfer:
     notif: bytes
     polls_left: int
     fail: type[TransportError] | None  # raise this when the write would complete
-    polls: int = field(default=0)
 
 
 class FakeFabric:
@@ -402,7 +401,6 @@ class FakeTransport:
             raise LocalProtocolError("poll_write on a released, unfinished handle")
         self._check_alive()
         xfer: _FakeXfer = handle.native
-        xfer.polls += 1
         try:
             if not xfer.target.alive:
                 raise PeerDisconnected(

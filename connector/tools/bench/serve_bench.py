@@ -96,7 +96,7 @@ def log_signals(stack: BenchStack) -> dict[str, dict[str, int]]:
         try:
             lines = server.log.read_text(errors="replace").splitlines()
         except OSError:
-            continue
+            continue  # no log to read: nothing to count for this server
         # Stop at shutdown: our own stop makes vLLM log an EngineDeadError traceback.
         lines = list(itertools.takewhile(lambda line: "[shutdown]" not in line, lines))
         found = {
