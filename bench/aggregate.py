@@ -2,7 +2,7 @@
 
 Run: python -m bench.aggregate runs/bench-A runs/bench-B ... [--markdown]
 
-This box's numbers move a lot from one run to the next (see README: the engines' spinning
+A small host's numbers move a lot from one run to the next (see README: the engines' spinning
 loops and two cores), so claims rest on the median over repeated, interleaved runs. Prints
 per (config, concurrency, arrivals): the runs that had numbers, then the median over them of
 median TTFT, p90 TTFT, mean TPOT, median E2EL and req/s, with the min-max range of median

@@ -57,8 +57,8 @@ def describe_kv_caches(
     layout: one region per layer, one head's slice of a block contiguous.
 
     On CPU the block interior is private to the attention kernel: CPU_ATTN views a head's
-    slice as K of every token then V, and its AMX kernels tile them (measured: copying the
-    first 127 of 128 tokens corrupts the KV, whole blocks arrive intact). So CPU layouts are
+    slice as K of every token then V, and its AMX kernels tile them (copying only some of a
+    block's tokens corrupts its KV; whole blocks arrive intact). So CPU layouts are
     ``opaque_blocks``: whole blocks of a head move, never token ranges inside one.
     """
     if not kv_caches:

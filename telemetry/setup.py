@@ -27,9 +27,10 @@ _PROCESS: dict[int, Any] = {}  # pid -> provider (or None: tracing off); forks s
 def _id_generator() -> Any:
     """Span and trace ids from a generator of our own, seeded from the OS: vLLM seeds the
     ``random`` module with the model seed in every engine process, so the SDK's default
-    generator gave P and D the same span ids (seen: P's ``prefill`` and D's ``register``
-    shared one). Not ``os.urandom`` per id: that syscall took 26 µs here, most of a span's
-    cost. Reseeded in a forked child, which must not repeat its parent's ids."""
+    generator gave P and D the same span ids (P's ``prefill`` and D's ``register`` could
+    share one). Not ``os.urandom`` per id: a syscall per id would be most of a span's cost
+    (``python -m bench.tracing_cost``). Reseeded in a forked child, which must not repeat
+    its parent's ids."""
     import random
 
     from opentelemetry.sdk.trace.id_generator import IdGenerator

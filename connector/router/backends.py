@@ -141,7 +141,7 @@ class Backends:
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError):  # the cancel just asked for
                 await self._loop_task
             self._loop_task = None
         clients = [b.client for b in self.all if b.client is not None]

@@ -350,7 +350,7 @@ class Dispatch:
             # Both legs leave now. The P leg is a task so that D's relay can watch it. P's
             # prefill is the long pole (D only has to register before it ends), so its task
             # gets the loop first and sends its request before D's is built; under load the
-            # task otherwise queued behind D's send (5 ms p50 at c=16, measured in traces).
+            # task would otherwise queue behind D's send (a late prefill_leg in the traces).
             self._p_task = asyncio.create_task(self._prefill(), name=f"prefill-{self.transfer_id}")
             self._p_task.add_done_callback(lambda _t: self.p.release())
             watch = PrefillWatch(self._p_task)

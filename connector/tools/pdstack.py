@@ -8,7 +8,7 @@ metric out of a server's Prometheus ``/metrics`` text (tests and the demo take d
 
 Why the CPU binding: vLLM's CPU worker pins each engine to the cores of its OpenMP pool, and
 with ``VLLM_CPU_OMP_THREADS_BIND=auto`` both P and D land on CPU 0 and starve each other
-(30-70 s stalls measured on 2 cores). P gets core 0, D core 1 unless told otherwise.
+(stalls of tens of seconds on 2 cores). P gets core 0, D core 1 unless told otherwise.
 
 Must not import vLLM, NIXL or torch (see ``connector.tools.stack``). Needs only httpx.
 """
@@ -223,9 +223,9 @@ class PdStack:
     # Also confine each server's processes (API server, EngineCore, workers, their threads)
     # to those CPUs, as if P and D were hosts of their own; the router stays unpinned.
     # pushkv's transfer thread leaves vLLM's OpenMP core but not its server's CPUs
-    # (connector/transfer/thread.py, _unpin). On 2 cores this halved push's median TTFT and
-    # sped up every connector (README, Measured): unpinned, D's API server and EngineCore
-    # competed with P's prefill on P's core.
+    # (connector/transfer/thread.py, _unpin). Unpinned, D's API server and EngineCore
+    # compete with P's prefill on P's core, which every connector's TTFT shows
+    # (``pushkv bench``).
     pin_servers: bool = True
     # Every process writes its spans to run_dir/traces-<service>-<pid>.jsonl (or where the
     # caller's OTEL_* variables say); False sets OTEL_SDK_DISABLED for all three.
@@ -380,5 +380,6 @@ class PdStack:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Leaving on an error: that error is the one to see, not a failed stop after it.
         with contextlib.suppress(ServerError) if exc is not None else contextlib.nullcontext():
             self.stop()

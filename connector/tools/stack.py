@@ -33,7 +33,7 @@ from connector.core.errors import PushkvError
 # Re-exported: the stacks' callers pick and check ports through here.
 from connector.transport.ports import free_port, port_is_free  # noqa: F401
 
-KV_CACHE_MEMORY_BYTES = 256 << 20  # 256 MiB: RSS about 2.2 GiB per server (vs 2.9 with 1 GiB)
+KV_CACHE_MEMORY_BYTES = 256 << 20  # ample for the tiny model; it is resident in every server
 
 # The child environment every server gets. UCX on loopback only; no hub access.
 BASE_ENV: dict[str, str] = {
@@ -120,7 +120,7 @@ def stop_process_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     for sig_group, until in ((False, start + timeout_s / 2), (True, start + timeout_s)):
         if not _group_alive(pgid):
             break
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile: nothing to signal
             if sig_group:
                 os.killpg(pgid, signal.SIGTERM)
             elif proc.poll() is None:
@@ -130,7 +130,7 @@ def stop_process_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
             proc.poll()  # reap the leader as soon as it exits
             time.sleep(0.1)
     if _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile: nothing to kill
             os.killpg(pgid, signal.SIGKILL)
     proc.wait()
     kill_deadline = time.monotonic() + 5.0  # SIGKILLed members free their ports soon
@@ -216,7 +216,7 @@ class VllmServer:
             "--no-enable-log-requests",
             "--disable-uvicorn-access-log",
             # vLLM's default (0) SIGKILLs EngineCore and its workers the moment it stops,
-            # before they can flush their spans (measured: the last request's D spans lost).
+            # before they can flush their spans (the last request's D spans would be lost).
             "--shutdown-timeout",
             str(SHUTDOWN_TIMEOUT_S),
         ]
@@ -278,7 +278,7 @@ class VllmServer:
                         f"it was healthy; last lines of {self.log}:\n"
                         f"{self.log_tail(40)}"
                     )
-                with contextlib.suppress(httpx.HTTPError):
+                with contextlib.suppress(httpx.HTTPError):  # not listening yet: ask again
                     if client.get(f"{self.url}/health").status_code == 200:
                         return
                 if time.monotonic() >= deadline:

@@ -61,8 +61,8 @@ def _unpin() -> None:
     engine loop spins; a transfer thread stuck behind it delays the WRITE and its
     notifications by seconds. The server's own mask (taskset, numactl, a cpuset: the
     operator's choice) is kept: it is read from the parent process (vLLM's EngineCore or
-    API server, which vLLM does not pin). Widening past it put D's thread on P's core on a
-    2-core host and doubled P's median TTFT at 16 concurrent requests."""
+    API server, which vLLM does not pin). Widening past it would put D's thread on P's
+    cores, where it slows P's prefills (``pushkv bench`` shows it in P's TTFT)."""
     if not hasattr(os, "sched_setaffinity"):
         return
     try:

@@ -2,7 +2,7 @@
 
 Owns: ``free_port`` and ``port_is_free``. Binding port 0 returns a port from the kernel's
 ephemeral range, where any outgoing connection's automatic bind may take it before the
-server binds: seen here as vLLM's NIXL handshake listener dying with "Address already in
+server binds: seen as vLLM's NIXL handshake listener dying with "Address already in
 use" and its engine hanging for the whole start-up timeout. So ports are drawn below that
 range (where no automatic bind goes), checked bindable for TCP and UDP alike (pushkv's
 doorbell opens UDP on its side-channel port number), and never handed out twice by one

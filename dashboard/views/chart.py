@@ -4,11 +4,11 @@ Owns: the choice between Streamlit's own ``st.plotly_chart`` and a small in-page
 (``st.components.v2``) that draws the same figure JSON with ``plotly-basic.min.js`` (bar,
 scatter, pie: every trace type of the waterfall and the comparison charts), served from
 ``dashboard/static/`` by Streamlit's static file serving. Why: ``st.plotly_chart`` makes a
-browser fetch and compile Streamlit's 4.7 MB Plotly chunk; on this project's 2-core machines
-that alone was ~0.6 s of a cold first visit (``bench/dashboard_bench.py``), the basic bundle
-is 1.2 MB. The component is used only when static serving is on (``dashboard.launch``, the
-repository's ``.streamlit/config.toml`` and the Docker image turn it on) and every trace is of
-a basic type; otherwise, ``st.plotly_chart`` draws the figure, so a page never lacks a chart.
+browser fetch and compile Streamlit's whole Plotly chunk, about four times the basic bundle
+and a large share of a cold first visit (``python -m bench.dashboard_bench``). The component
+is used only when static serving is on (``dashboard.launch``, the repository's
+``.streamlit/config.toml`` and the Docker image turn it on) and every trace is of a basic
+type; otherwise, ``st.plotly_chart`` draws the figure, so a page never lacks a chart.
 
 The vendored file is npm's ``plotly.js-basic-dist-min`` of the plotly.js version that the
 installed plotly.py bundles (a unit test keeps them equal).
@@ -77,7 +77,7 @@ _component = components.component("pushkv_plotly_basic", js=_JS, isolate_styles=
 def preload(where: Any = st) -> None:
     """Start fetching the bundle as soon as the page shows ``where``'s element, before any
     chart: on a first visit the chart's own component code arrives among the last of
-    Streamlit's lazily loaded pieces (measured), so the fetch would start last too."""
+    Streamlit's lazily loaded pieces, so the fetch would start last too."""
     if light_charts_available():
         where.html(
             f"<script>{_LOADER}; pushkvPlotly({json.dumps(BASIC_SRC)}).catch(() => {{}});</script>",

@@ -145,7 +145,7 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
         )
     c1, c2 = st.columns([3, 1])
     link = share_link({**params, TRACE_KEY: trace_id})
-    # a markdown link, not st.code: that would load a 1.5 MB syntax highlighter on first visit
+    # a markdown link, not st.code: that would load a large syntax highlighter on first visit
     c1.markdown(f"Link to this request: [`{link}`]({link})")
     c2.download_button(
         "Export trace (Perfetto JSON)",

@@ -346,7 +346,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         metavar="N",
         help="run every configuration N times in N rounds, the order rotated each "
         "round (round-<i>/ holds each); the top report gives the medians and "
-        "per-round ratios (this box drifts by up to 30 %% between runs)",
+        "per-round ratios (a small shared host drifts a lot between runs)",
     )
     p.add_argument(
         "--rerender",

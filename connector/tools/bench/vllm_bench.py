@@ -37,8 +37,8 @@ class Workload:
 
     input_len: int = 256
     output_len: int = 32
-    # Long enough for a steady state (10-40 s a level on 2 cores): with 48 and 128 prompts a
-    # level lasted 2-3 s, and the closed loop's ramp-up and tail weighed as much as the rest.
+    # Long enough for a steady state: in a short level the closed loop's ramp-up and tail
+    # weigh as much as the rest.
     levels: tuple[tuple[int, int], ...] = ((4, 160), (16, 480))
     warmup_prompts: int = 8
     warmup_concurrency: int = 4
@@ -49,8 +49,8 @@ class Workload:
         return self.seed + index
 
     def limit_s(self, num_prompts: int) -> float:
-        """Wall-clock limit of one run (client start-up about 12 s, a request well under
-        1 s when healthy): generous, but bounds a hung connector."""
+        """Wall-clock limit of one run: room for the client's start-up and, many times over,
+        for every request of a healthy stack; it bounds a hung connector."""
         return 90.0 + 2.0 * num_prompts
 
 

@@ -45,19 +45,17 @@ What is patched, exactly
    nothing, not even its own queued send_notif" (shared/reference/nixl.md, section 3), and
    over ``tcp`` a WRITE or READ needs the *target* to progress as well. vLLM's engines stop
    calling NIXL when they have nothing to schedule (P after its prefill, for one), so with
-   change 1 alone transfers can stall (``vllm bench serve`` hung in the warm-up for both
-   connectors; that run still had vLLM's CPU pin of change 3, so it does not separate the
-   two causes). ``ProgressedAgent`` therefore runs one daemon thread per agent that
-   calls ``getNotifs`` (the call that drives UCX progress) every ``PROGRESS_INTERVAL_S`` and
-   *sleeps* in between, which is what makes it cheap where NIXL's thread spins (two idle
-   agents: about 5 % of one core together). Notifications it collects are kept and handed
-   out, in arrival order, by the next ``get_new_notifs`` call, so vLLM sees exactly the
-   notifications it would have seen.
+   change 1 alone transfers can stall. ``ProgressedAgent`` therefore runs one daemon thread
+   per agent that calls ``getNotifs`` (the call that drives UCX progress) every
+   ``PROGRESS_INTERVAL_S`` and *sleeps* in between, which is what makes it cheap where NIXL's
+   thread spins (``python -m bench.cpu_split`` shows each thread's share). Notifications it
+   collects are kept and handed out, in arrival order, by the next ``get_new_notifs`` call,
+   so vLLM sees exactly the notifications it would have seen.
 3. Opt-in, with ``"bench_keep_cpu_binding": true`` in ``kv_connector_extra_config``: vLLM's
-   CPU pin of the model runner is undone (``connector.tools.bench.vllm_keepcpu``, imported here; its
-   docstring has the measurement). Without it, changes 1 and 2 still livelocked on this
-   machine in 7 of 8 attempts (push and pull; P's worker, pinned to the same core as D's
-   busy-looping one, got no CPU), so the benchmark turns it on for these configurations.
+   CPU pin of the model runner is undone (``connector.tools.bench.vllm_keepcpu``, imported
+   here; its docstring says why). Without it, changes 1 and 2 can still livelock on a 2-core
+   host (P's worker, pinned to the same core as D's busy-looping one, gets no CPU), so the
+   benchmark turns it on for these configurations.
 
 Names are replaced where they are looked up: ``vllm.distributed.nixl_utils`` (vLLM's lazy
 loader), ``base_worker`` (which bound them at import; the lookup happens when a worker is
