@@ -336,13 +336,13 @@ class Dispatch:
                 self.p.release()
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict):
-                err = UpstreamError(
+                no_params = UpstreamError(
                     502,
                     f"{self.p.backend.name} returned no kv_transfer_params",
                     backend=self.p.backend.name,
                 )
                 self.p.backend.load.record_leg_failure(suspect=True)
-                return await _send_error(send, err, self.request_id)
+                return await _send_error(send, no_params, self.request_id)
             params = legs.apply_pull_overrides(params, self.p.backend.override)
             watch = PrefillWatch(None)
             decode = self._decode(params)

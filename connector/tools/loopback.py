@@ -218,6 +218,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
                 conn.send(("ok", _cpu_seconds()))
             elif cmd == "counters":
                 endpoint = thread.sender or thread.receiver
+                assert endpoint is not None  # every rank runs one of the two
                 bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
                 counters = RankCounters(
                     thread={**thread.counters, **bells},

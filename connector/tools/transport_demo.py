@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from typing import Any
 
 from connector.core import events as ev
 from connector.tools.loopback import RankProcess, RankSpec, expected_event
@@ -26,7 +27,7 @@ def run_transport_demo(
     from rich.table import Table
 
     console = Console()
-    shape = dict(
+    shape: dict[str, Any] = dict(
         num_layers=num_layers,
         num_blocks=1024,
         block_size=block_size,

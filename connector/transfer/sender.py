@@ -7,6 +7,7 @@ transport only through the Transport protocol; never vLLM. One thread calls it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -168,7 +169,7 @@ class Sender:
         return self.table.awaiting_network()
 
     # ------------------------------------------------------------------ actions
-    def _run(self, actions: list, now_ns: int) -> None:
+    def _run(self, actions: list[ev.SendAction], now_ns: int) -> None:
         for a in actions:
             if isinstance(a, ev.IssueWrite):
                 check = self._ready.get(a.transfer_id)
@@ -259,7 +260,7 @@ class Sender:
             self.peers.when_ready(
                 reg.d_addr,
                 now_ns,
-                lambda reg=reg, pieces=pieces: self._post_one(w, reg, pieces),
+                functools.partial(self._post_one, w, reg, pieces),
                 lambda exc: self._unposted_failed(w, m.FailReason.HANDSHAKE, exc),
             )
         self._poll_write(a.transfer_id, now_ns)

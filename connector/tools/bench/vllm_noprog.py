@@ -169,7 +169,7 @@ class ProgressedAgent(_OriginalAgent):  # type: ignore[misc, valid-type]
 def _patch() -> None:
     for module in (nixl_utils, base_worker, sys.modules.get("nixl._api"), sys.modules.get("nixl")):
         if module is not None and hasattr(module, "nixl_agent_config"):
-            module.nixl_agent_config = NoProgAgentConfig  # type: ignore[attr-defined]
+            module.nixl_agent_config = NoProgAgentConfig  # type: ignore[attr-defined,union-attr]
     # The agent class only where vLLM looks it up: other NIXL users keep the plain agent.
     nixl_utils.NixlWrapper = ProgressedAgent  # type: ignore[attr-defined]
     base_worker.NixlWrapper = ProgressedAgent  # type: ignore[attr-defined]
