@@ -2,7 +2,9 @@
 
 Owns: one record per request that carries a pushkv leg, the per-step metadata sent to the
 workers, and the filtering of worker results before vLLM acts on them. Touches vLLM
-objects (Request, KVCacheBlocks, SchedulerOutput, KVConnectorOutput) but never NIXL.
+objects (Request, KVCacheBlocks, SchedulerOutput, KVConnectorOutput) but never NIXL. A
+request's state changes only through core/lifecycle.py's table: each hook turns what vLLM
+says into one of its events and carries out the effect of the transition it returns.
 
 P (producer): the step that completes a prompt's KV is known when it is *scheduled*, so
 that step's metadata tells the workers to hand the blocks to the transfer thread right
@@ -17,7 +19,6 @@ step's metadata, so the workers send it within the same engine step.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -25,7 +26,10 @@ from typing import Any
 
 import msgspec
 
+from connector.core import lifecycle as lc
+from connector.core.errors import LocalProtocolError
 from connector.core.events import BlockTable
+from connector.core.lifecycle import Effect, ReqState
 from connector.kv_params import (
     Coordinates,
     DecodeLeg,
@@ -39,18 +43,6 @@ from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegi
 from connector.transfer.spans import emit_first_token, engine_tracer
 
 logger = logging.getLogger(__name__)
-
-
-class ReqState(enum.Enum):
-    PREFILLING = "prefilling"  # P: prompt not complete yet
-    PUSHING = "pushing"  # P: workers were told to push; request still running
-    PUSHED_EARLY = "pushed_early"  # P: every worker finished before request_finished
-    HANDED_OVER = "handed_over"  # P: request finished, blocks ours until finished_sending
-    SPENT = "spent"  # P: preempted after its push began; never pushed again
-    AWAITING_ALLOC = "awaiting_alloc"  # D: no blocks yet
-    RECEIVING = "receiving"  # D: registration staged, WAITING_FOR_REMOTE_KVS
-    ABORTING = "aborting"  # D: finished while receiving; blocks held until finished_recving
-    DONE = "done"
 
 
 @dataclass
@@ -94,7 +86,7 @@ class SchedulerSide:
             return None
         ranks = sorted(self._handshakes)
         hs = [self._handshakes[r] for r in ranks]
-        return msgspec.to_builtins(
+        coords: dict[str, Any] = msgspec.to_builtins(
             Coordinates(
                 engine_id=self.engine_id,
                 host=hs[0].host,
@@ -104,6 +96,7 @@ class SchedulerSide:
                 agents=tuple(h.agent for h in hs),
             )
         )
+        return coords
 
     # ------------------------------------------------------------------ requests
     def on_new_request(self, request: Any) -> None:
@@ -113,13 +106,13 @@ class SchedulerSide:
         rid = request.request_id
         try:
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
-                self._reqs[rid] = _Req(request, ReqState.PREFILLING, prefill=leg)
+                self._reqs[rid] = _Req(request, lc.start(lc.PrefillLegAdded(rid)), prefill=leg)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
-                self._reqs[rid] = _Req(request, ReqState.AWAITING_ALLOC, decode=dleg)
+                self._reqs[rid] = _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=dleg)
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
-            self._reqs[rid] = _Req(request, ReqState.DONE, error=str(exc))
+            self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -136,52 +129,56 @@ class SchedulerSide:
         rec = self._reqs.get(request.request_id)
         if rec is not None and rec.prefill is not None and not rec.scheduled_ns:
             rec.scheduled_ns = time.time_ns()  # P: first scheduled (ends P's queue time)
-        if rec is None or rec.decode is None or rec.state is not ReqState.AWAITING_ALLOC:
+        if rec is None or rec.decode is None:
             return
-        leg = rec.decode
+        rid, leg = request.request_id, rec.decode
         if num_external_tokens == 0:
-            # A prefix-cache hit covers the prompt: release P's blocks at once.
-            self._step.aborts.append(
-                StagedAbort(leg.transfer_id, request.request_id, "not_needed", leg)
-            )
-            rec.state = ReqState.DONE
+            move = self._next(rid, rec, lc.PromptCached(rid))
+            if move.effect is Effect.STAGE_NOT_NEEDED:
+                # A prefix-cache hit covers the prompt: release P's blocks at once.
+                self._step.aborts.append(StagedAbort(leg.transfer_id, rid, "not_needed", leg))
+            self._enter(rid, rec, move)
             return
-        block_ids: BlockTable = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
-        self._step.registrations.append(
-            StagedRegistration(
-                leg.transfer_id,
-                request.request_id,
-                block_ids,
-                first_token=request.num_prompt_tokens - num_external_tokens,
-                num_tokens=request.num_prompt_tokens,
-                leg=leg,
-                alloc_ns=time.time_ns(),
+        move = self._next(rid, rec, lc.BlocksAllocated(rid))
+        if move.effect is Effect.STAGE_REGISTRATION:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            block_ids: BlockTable = tuple(tuple(g) for g in groups)
+            self._step.registrations.append(
+                StagedRegistration(
+                    leg.transfer_id,
+                    rid,
+                    block_ids,
+                    first_token=request.num_prompt_tokens - num_external_tokens,
+                    num_tokens=request.num_prompt_tokens,
+                    leg=leg,
+                    alloc_ns=time.time_ns(),
+                )
             )
-        )
-        rec.state = ReqState.RECEIVING
-        rec.local_tokens = request.num_prompt_tokens - num_external_tokens
+            rec.local_tokens = request.num_prompt_tokens - num_external_tokens
+        self._enter(rid, rec, move)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """Called before vLLM advances num_computed_tokens for this step."""
         for rid in scheduler_output.preempted_req_ids or ():
             rec = self._reqs.get(rid)
-            if (
-                rec is not None
-                and rec.prefill is not None
-                and rec.state in (ReqState.PUSHING, ReqState.PUSHED_EARLY)
-            ):
-                if rec.state is ReqState.PUSHING:
-                    self._step.reclaimed.append(rec.prefill.transfer_id)
-                rec.state = ReqState.SPENT
+            if rec is None:
+                continue
+            move = self._next(rid, rec, lc.Preempted(rid))
+            if move.effect is Effect.RECLAIM:
+                assert rec.prefill is not None
+                self._step.reclaimed.append(rec.prefill.transfer_id)
+            self._enter(rid, rec, move)
         scheduled = scheduler_output.num_scheduled_tokens
         if self._first:
             self._watch_first_tokens(scheduled)
-        for rid, rec in self._reqs.items():
-            if rec.state is not ReqState.PREFILLING or rid not in scheduled:
+        for rid, rec in list(self._reqs.items()):
+            if rec.prefill is None or rid not in scheduled:
                 continue
             request = rec.request
-            if request.num_computed_tokens + scheduled[rid] >= request.num_prompt_tokens:
-                assert rec.prefill is not None
+            if request.num_computed_tokens + scheduled[rid] < request.num_prompt_tokens:
+                continue  # a chunk of the prompt
+            move = self._next(rid, rec, lc.PrefillScheduled(rid))
+            if move.effect is Effect.STAGE_PREFILL:
                 blocks = self._kv_cache_manager.get_block_ids(rid)
                 now = time.time_ns()
                 self._step.prefills.append(
@@ -195,14 +192,14 @@ class SchedulerSide:
                         scheduled_ns=rec.scheduled_ns or now,
                     )
                 )
-                rec.state = ReqState.PUSHING
+            self._enter(rid, rec, move)
         step, self._step = self._step, StepPlan()
         step.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         return step
 
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict | None]:
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         if is_probe(request.kv_transfer_params):
             return False, {"pushkv": self.coordinates()}
@@ -211,32 +208,27 @@ class SchedulerSide:
         rec = self._reqs.get(rid)
         if rec is None:
             return False, None
-        if rec.error:
-            del self._reqs[rid]
-            return False, {"pushkv_error": rec.error}
+        out = None
         if rec.prefill is not None:
             out = {"pushkv": self.coordinates(), "transfer_id": rec.prefill.transfer_id}
-            if rec.state is ReqState.PUSHING:
-                rec.state = ReqState.HANDED_OVER  # WRITE may be in flight: keep the blocks
-                return True, out
-            del self._reqs[rid]
-            if rec.state is ReqState.PREFILLING:  # aborted or failed before the prompt ran
-                self._step.aborts.append(
-                    StagedAbort(rec.prefill.transfer_id, rid, "prefill_aborted", None)
-                )
-            return False, out
-        # D leg
-        if rec.state is ReqState.RECEIVING:
+        move = self._next(rid, rec, lc.RequestFinished(rid))
+        if move.effect is Effect.STAGE_PREFILL_ABORT:  # aborted or failed before the prompt ran
+            assert rec.prefill is not None
+            self._step.aborts.append(
+                StagedAbort(rec.prefill.transfer_id, rid, "prefill_aborted", None)
+            )
+        elif move.effect is Effect.STAGE_ABORT:
             # vLLM itself holds the blocks of a request aborted in WAITING_FOR_REMOTE_KVS
             # until finished_recving; make sure that report comes.
             assert rec.decode is not None
             self._step.aborts.append(
                 StagedAbort(rec.decode.transfer_id, rid, "aborted", rec.decode)
             )
-            rec.state = ReqState.ABORTING
-            return False, None
-        del self._reqs[rid]
-        return False, None
+        self._enter(rid, rec, move)
+        if rec.error:
+            return False, {"pushkv_error": rec.error}
+        # DELAY_FREE: a WRITE may be in flight, so vLLM keeps the blocks until finished_sending.
+        return move.effect is Effect.DELAY_FREE, out
 
     # ------------------------------------------------------------------ results
     def update_connector_output(self, output: Any) -> None:
@@ -245,27 +237,43 @@ class SchedulerSide:
         sending = output.finished_sending or set()
         for rid in list(sending):
             rec = self._reqs.get(rid)
-            if rec is not None and rec.state is ReqState.HANDED_OVER:
-                del self._reqs[rid]
-            else:
+            if rec is None:
+                sending.discard(rid)
+                logger.warning("Dropping finished_sending for unknown request %s", rid)
+                continue
+            move = self._next(rid, rec, lc.PushReported(rid))
+            if move.effect is not Effect.FREE_BLOCKS:
                 # Only finished requests may be freed: an early completion waits for
                 # request_finished, which then frees the blocks itself.
                 sending.discard(rid)
-                if rec is not None and rec.state is ReqState.PUSHING:
-                    rec.state = ReqState.PUSHED_EARLY
-                elif rec is None:
-                    logger.warning("Dropping finished_sending for unknown request %s", rid)
+            self._enter(rid, rec, move)
         for rid in output.finished_recving or ():
             rec = self._reqs.get(rid)
             if rec is None:
                 continue
-            if rec.state is ReqState.ABORTING:  # request_finished already ran
-                del self._reqs[rid]
-            elif rec.state is ReqState.RECEIVING:
-                rec.state = ReqState.DONE
-                if self._tracer is not None:
-                    rec.kv_ns = time.time_ns()
-                    self._first[rid] = rec
+            move = self._next(rid, rec, lc.RecvReported(rid))
+            if move.effect is Effect.TIME_FIRST_TOKEN and self._tracer is not None:
+                rec.kv_ns = time.time_ns()
+                self._first[rid] = rec
+            self._enter(rid, rec, move)
+
+    # ------------------------------------------------------------------ the lifecycle table
+    def _next(self, rid: str, rec: _Req, event: lc.ReqEvent) -> lc.Transition:
+        """The table's transition for ``event``. One out of turn is our bug: logged, and the
+        request keeps its state, since a hook must not raise into vLLM's step."""
+        try:
+            return lc.advance(rec.state, event)
+        except LocalProtocolError as exc:
+            logger.error("Request %s: %s; ignored", rid, exc)
+            return lc.IGNORE
+
+    def _enter(self, rid: str, rec: _Req, move: lc.Transition) -> None:
+        """Apply a transition once its effect is carried out (so a failing vLLM call leaves
+        the request where it was)."""
+        if move.to is ReqState.RELEASED:
+            del self._reqs[rid]
+        elif move.to is not None:
+            rec.state = move.to
 
     # ------------------------------------------------------------------ D's first token
     def _watch_first_tokens(self, scheduled: Any) -> None:
@@ -296,9 +304,7 @@ class SchedulerSide:
         )
 
     def has_pending_push_work(self) -> bool:
-        return not self._step.empty() or any(
-            r.state in (ReqState.PUSHING, ReqState.HANDED_OVER) for r in self._reqs.values()
-        )
+        return not self._step.empty() or any(r.state.push_pending for r in self._reqs.values())
 
 
 def _wall_ns(seconds: float | None) -> int:

@@ -1,5 +1,6 @@
-"""The pure protocol core: messages, rendezvous, receive tracking, deadlines, layout mapping.
+"""The pure protocol core: the wire, the transfer and request state tables, the KV layout.
 
-Nothing in this package imports vLLM, NIXL, torch or threading, or reads a clock:
-time arrives as ``now_ns`` arguments. See README.md beside this file for a reading order.
+Nothing in this package imports vLLM, NIXL, torch or threading, or reads a clock: time
+arrives as ``now_ns`` arguments, so every ordering of events can be tested without them.
+README.md beside this file gives a reading order.
 """

@@ -235,7 +235,7 @@ class ReportReceived:
     reason: FailReason | None = None
 
 
-SenderEvent = (
+SendEvent = (
     Registered
     | PrefillDone
     | PrefillAborted
@@ -245,6 +245,8 @@ SenderEvent = (
     | Cancelled
     | HeartbeatSeen
 )
-ReceiverEvent = Expected | CompletionSeen | FailSeen | SendFailed | AbortRequested
-SenderAction = IssueWrite | AbortWrite | FreeBlocks | SendFail | ResendCompletion
-ReceiverAction = SendRegister | SendCancel | SendHeartbeat | ReportReceived
+"""What enters P's table (SenderTable.handle); its own deadlines come as state.DeadlinePassed."""
+RecvEvent = Expected | CompletionSeen | FailSeen | SendFailed | AbortRequested
+"""What D's transitions take; ReceiverTable.handle also takes PeerLost, which it fans out."""
+SendAction = IssueWrite | AbortWrite | FreeBlocks | SendFail | ResendCompletion
+RecvAction = SendRegister | SendCancel | SendHeartbeat | ReportReceived

@@ -82,7 +82,7 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="t
     version: Annotated[int, msgspec.Meta(ge=0, le=255)] = VERSION
 
 
-class Register(_Msg, tag="register"):
+class Register(_Msg, tag="register", frozen=True):
     """D→P: "write tokens [first_token, num_tokens) of this transfer into these blocks"."""
 
     d_engine_id: Name
@@ -98,7 +98,7 @@ class Register(_Msg, tag="register"):
     trace: TraceContext | None = None
 
 
-class Completion(_Msg, tag="done"):
+class Completion(_Msg, tag="done", frozen=True):
     """P→D, as the WRITE's own notification: this P rank's bytes have landed."""
 
     p_rank: Rank
@@ -107,7 +107,7 @@ class Completion(_Msg, tag="done"):
     descriptors: Count = 0
 
 
-class Fail(_Msg, tag="fail"):
+class Fail(_Msg, tag="fail", frozen=True):
     """P→D: this P rank will not write (or its WRITE failed); D must not wait for it."""
 
     p_rank: Rank
@@ -115,7 +115,7 @@ class Fail(_Msg, tag="fail"):
     detail: Detail = ""
 
 
-class Cancel(_Msg, tag="cancel"):
+class Cancel(_Msg, tag="cancel", frozen=True):
     """D→P: D no longer wants the KV. P answers with ``Fail`` (or its WRITE's completion)."""
 
     d_rank: Rank
@@ -123,7 +123,7 @@ class Cancel(_Msg, tag="cancel"):
     reason: FailReason
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     """D→P: D still wants these transfers; renews P's lease on each of them."""
 
     d_rank: Rank

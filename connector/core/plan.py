@@ -224,7 +224,8 @@ def _raw_pieces(
         out.append((sa.reshape(-1), da.reshape(-1), np.full(sa.size, elem, dtype=np.int64)))
     if len(out) == 1:
         return out[0]
-    return tuple(np.concatenate(parts) for parts in zip(*out, strict=True))  # type: ignore[return-value]
+    src, dst, length = (np.concatenate(parts) for parts in zip(*out, strict=True))
+    return src, dst, length
 
 
 def plan_transfer(

@@ -9,7 +9,6 @@ blocks. Pure: no threads, no clocks, no vLLM, no NIXL; one thread calls it.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 from connector.core import events as ev
 from connector.core.messages import FailReason, PeerAddr
@@ -24,8 +23,10 @@ from connector.core.state import (
 )
 from connector.core.table import TransferTable
 
+RecvTableEvent = ev.RecvEvent | DeadlinePassed
 
-class ReceiverTable(TransferTable[RecvRecord]):
+
+class ReceiverTable(TransferTable[RecvRecord, RecvTableEvent, ev.RecvAction]):
     """Feed events in, get actions out. Remote misbehaviour is dropped and counted."""
 
     def __init__(self, policy: ReceiverPolicy = ReceiverPolicy()) -> None:
@@ -34,14 +35,14 @@ class ReceiverTable(TransferTable[RecvRecord]):
         self._next_heartbeat_ns: int | None = None
         self.abandoned = 0
 
-    def handle(self, event: ev.ReceiverEvent | ev.PeerLost, now_ns: int) -> list[Any]:
+    def handle(self, event: ev.RecvEvent | ev.PeerLost, now_ns: int) -> list[ev.RecvAction]:
         if isinstance(event, ev.PeerLost):
             return self._peer_lost(event.agent, now_ns)
         return self._apply_counted(event.transfer_id, event, now_ns)
 
-    def tick(self, now_ns: int) -> list[Any]:
+    def tick(self, now_ns: int) -> list[ev.RecvAction]:
         """Fire due deadlines, forget old tombstones, and send heartbeats when due."""
-        out: list[Any] = []
+        out: list[ev.RecvAction] = []
         for tid in self._due(now_ns):
             out += self._apply_counted(tid, DeadlinePassed(tid), now_ns)
         if self._next_heartbeat_ns is None or now_ns >= self._next_heartbeat_ns:
@@ -49,7 +50,7 @@ class ReceiverTable(TransferTable[RecvRecord]):
             self._next_heartbeat_ns = now_ns + self.policy.heartbeat_interval_ns
         return out
 
-    def _apply_counted(self, tid: str, event: Any, now_ns: int) -> list[Any]:
+    def _apply_counted(self, tid: str, event: RecvTableEvent, now_ns: int) -> list[ev.RecvAction]:
         rec = self._records.get(tid)
         was_abandoned = rec.abandoned if rec is not None else False
         ctx = RecvCtx(now_ns, self.policy)
@@ -59,8 +60,8 @@ class ReceiverTable(TransferTable[RecvRecord]):
             self.abandoned += 1
         return actions
 
-    def _peer_lost(self, agent: str, now_ns: int) -> list[Any]:
-        out: list[Any] = []
+    def _peer_lost(self, agent: str, now_ns: int) -> list[ev.RecvAction]:
+        out: list[ev.RecvAction] = []
         for rec in list(self._records.values()):
             for p_rank, src in rec.sources.items():
                 if src.addr.agent == agent and rec.status[p_rank] is SourceState.PENDING:

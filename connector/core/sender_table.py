@@ -1,4 +1,4 @@
-"""P's rendezvous table: registrations and finished prefills matched by ``transfer_id``.
+"""P's sender table: D's registrations and P's finished prefills meet by ``transfer_id``.
 
 Owns: P's records (via ``TransferTable``): leases, registration TTLs, write timeouts and
 tombstones. The transitions live in state.py. Pure: no threads, no clocks (``now_ns`` is an
@@ -8,7 +8,6 @@ argument), no vLLM, no NIXL. Called from one thread only (the transfer thread).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from connector.core import events as ev
 from connector.core.state import (
@@ -21,12 +20,14 @@ from connector.core.state import (
 )
 from connector.core.table import TransferTable
 
+SendTableEvent = ev.SendEvent | DeadlinePassed
 
-def _transfer_id(event: Any) -> str:
+
+def _transfer_id(event: ev.SendEvent) -> str:
     return event.reg.transfer_id if isinstance(event, ev.Registered) else event.transfer_id
 
 
-class SenderTable(TransferTable[SendRecord]):
+class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
     """Feed events in, get actions out. Remote misbehaviour is dropped and counted."""
 
     def __init__(
@@ -40,7 +41,7 @@ class SenderTable(TransferTable[SendRecord]):
         self.policy = policy
         self._max_records = max_records
 
-    def handle(self, event: ev.SenderEvent, now_ns: int) -> list[Any]:
+    def handle(self, event: ev.SendEvent, now_ns: int) -> list[ev.SendAction]:
         tid = _transfer_id(event)
         if (
             tid not in self._records
@@ -51,14 +52,16 @@ class SenderTable(TransferTable[SendRecord]):
             return []
         return self._apply(tid, event, self._transition(now_ns))
 
-    def tick(self, now_ns: int) -> list[Any]:
+    def tick(self, now_ns: int) -> list[ev.SendAction]:
         """Fire every deadline that is due; forget tombstones that are old enough."""
-        out: list[Any] = []
+        out: list[ev.SendAction] = []
         for tid in self._due(now_ns):
             out += self._apply(tid, DeadlinePassed(tid), self._transition(now_ns))
         return out
 
-    def _transition(self, now_ns: int) -> Callable[[Any, Any], tuple[Any, list[Any]]]:
+    def _transition(
+        self, now_ns: int
+    ) -> Callable[[SendRecord | None, SendTableEvent], tuple[SendRecord, list[ev.SendAction]]]:
         ctx = SendCtx(now_ns, self.policy, self._targets_for)
         return lambda rec, event: send_transition(rec, event, ctx)
 

@@ -2,13 +2,14 @@
 
 Owns: the state enums, the per-transfer records and the two transition tables. Rule 1
 (h11): everything that changes a transfer's state lives in this file. Rule 2: this file
-does not know where it runs; rendezvous.py (P) and receiver.py (D) wrap a table each, own
-the dict of records, clocks-as-arguments and counters.
+does not know where it runs; sender_table.py (P) and receiver_table.py (D) wrap a table
+each and own the dict of records, the deadlines and the counters.
 
-A transition is ``fn(record, event, ctx) -> list[action]``. A (state, event) pair missing
-from a table is an error: a message from the peer out of turn raises RemoteProtocolError
-(the caller drops and counts it), one of our own events out of turn raises
-LocalProtocolError (our bug).
+A transition is ``fn(record, event, ctx) -> list[action]`` (``SendAction`` on P,
+``RecvAction`` on D), with the time in ``ctx``. A (state, event) pair missing from a table
+is an error: a message from the peer out of turn raises RemoteProtocolError (the caller
+drops and counts it), one of our own events out of turn raises LocalProtocolError (our
+bug). The scheduler's per-request states are a separate table, lifecycle.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from connector.core import events as ev
 from connector.core.errors import LocalProtocolError, RemoteProtocolError
@@ -109,7 +110,7 @@ def _all_registered(rec: SendRecord) -> bool:
     return rec.expected_d_ranks is not None and set(rec.registrations) == rec.expected_d_ranks
 
 
-def _issue(rec: SendRecord, ctx: SendCtx) -> list[Any]:
+def _issue(rec: SendRecord, ctx: SendCtx) -> list[ev.SendAction]:
     if rec.write_issued:
         raise LocalProtocolError(f"{rec.transfer_id}: second WRITE for one transfer id")
     rec.state, rec.write_issued = SendState.WRITING, True
@@ -126,11 +127,13 @@ def _issue(rec: SendRecord, ctx: SendCtx) -> list[Any]:
     ]
 
 
-def _end(rec: SendRecord, state: SendState, ctx: SendCtx, reason: FailReason | None) -> list[Any]:
+def _end(
+    rec: SendRecord, state: SendState, ctx: SendCtx, reason: FailReason | None
+) -> list[ev.SendAction]:
     """Enter a terminal state: free what we hold, tell every known D rank unless DONE."""
     rec.state, rec.reason = state, reason
     rec.deadline_ns = ctx.now_ns + ctx.policy.tombstone_ns
-    out: list[Any] = []
+    out: list[ev.SendAction] = []
     if rec.blocks_held:
         rec.blocks_held = False
         assert rec.request_id is not None
@@ -150,13 +153,15 @@ def _prefill_into(rec: SendRecord, e: ev.PrefillDone) -> None:
 
 
 # --- transitions (sending side)
-def _s_registered_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[Any]:
+def _s_registered_registered(
+    rec: SendRecord, e: ev.Registered, ctx: SendCtx
+) -> list[ev.SendAction]:
     _add_registration(rec, e.reg, ctx)
     rec.deadline_ns = max(rec.deadline_ns, ctx.now_ns + _reg_ttl(e.reg, ctx))
     return []
 
 
-def _s_registered_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> list[Any]:
+def _s_registered_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> list[ev.SendAction]:
     _prefill_into(rec, e)
     if _all_registered(rec):
         return _issue(rec, ctx)
@@ -164,21 +169,23 @@ def _s_registered_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> l
     return []
 
 
-def _s_any_prefill_aborted(rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx) -> list[Any]:
+def _s_any_prefill_aborted(
+    rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx
+) -> list[ev.SendAction]:
     if rec.request_id is not None:
         raise LocalProtocolError(f"{e.transfer_id}: prefill aborted after it finished")
     rec.request_id = e.request_id
     return _end(rec, SendState.FAILED, ctx, FailReason.PREFILL_ABORTED)
 
 
-def _s_waiting_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
+def _s_waiting_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[ev.SendAction]:
     # Every cancel is answered, so D knows no WRITE will come; except "not needed",
     # where D never waited.
     rec.extra_fail_to = () if e.reason is FailReason.NOT_NEEDED else (e.d_addr,)
     return _end(rec, SendState.CANCELLED, ctx, FailReason.CANCELLED)
 
 
-def _s_waiting_heartbeat(rec: SendRecord, e: ev.HeartbeatSeen, ctx: SendCtx) -> list[Any]:
+def _s_waiting_heartbeat(rec: SendRecord, e: ev.HeartbeatSeen, ctx: SendCtx) -> list[ev.SendAction]:
     if rec.state is SendState.PREFILLED:
         rec.deadline_ns = ctx.now_ns + ctx.policy.lease_ns
     else:
@@ -187,46 +194,50 @@ def _s_waiting_heartbeat(rec: SendRecord, e: ev.HeartbeatSeen, ctx: SendCtx) -> 
     return []
 
 
-def _s_prefilled_reclaimed(rec: SendRecord, e: ev.SourceReclaimed, ctx: SendCtx) -> list[Any]:
+def _s_prefilled_reclaimed(
+    rec: SendRecord, e: ev.SourceReclaimed, ctx: SendCtx
+) -> list[ev.SendAction]:
     # vLLM freed the blocks itself: nothing is owed back, and D must not wait for us.
     rec.blocks_held = False
     return _end(rec, SendState.FAILED, ctx, FailReason.PREFILL_ABORTED)
 
 
-def _s_writing_reclaimed(rec: SendRecord, e: ev.SourceReclaimed, ctx: SendCtx) -> list[Any]:
+def _s_writing_reclaimed(
+    rec: SendRecord, e: ev.SourceReclaimed, ctx: SendCtx
+) -> list[ev.SendAction]:
     # The caller holds the next forward until this WRITE ends, so what it reads is still
     # the prompt's KV; the WRITE's outcome ends the transfer as usual.
     return []
 
 
-def _s_registered_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
+def _s_registered_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[ev.SendAction]:
     return _end(rec, SendState.EXPIRED, ctx, FailReason.REGISTRATION_EXPIRED)
 
 
-def _s_prefilled_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[Any]:
+def _s_prefilled_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[ev.SendAction]:
     _add_registration(rec, e.reg, ctx)
     return _issue(rec, ctx) if _all_registered(rec) else []
 
 
-def _s_prefilled_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
+def _s_prefilled_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[ev.SendAction]:
     return _end(rec, SendState.EXPIRED, ctx, FailReason.LEASE_EXPIRED)
 
 
-def _s_writing_done(rec: SendRecord, e: ev.WriteDone, ctx: SendCtx) -> list[Any]:
+def _s_writing_done(rec: SendRecord, e: ev.WriteDone, ctx: SendCtx) -> list[ev.SendAction]:
     return _end(rec, SendState.DONE, ctx, None)
 
 
-def _s_writing_failed(rec: SendRecord, e: ev.WriteFailed, ctx: SendCtx) -> list[Any]:
+def _s_writing_failed(rec: SendRecord, e: ev.WriteFailed, ctx: SendCtx) -> list[ev.SendAction]:
     return _end(rec, SendState.FAILED, ctx, e.reason)
 
 
-def _s_writing_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
+def _s_writing_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[ev.SendAction]:
     # The WRITE may be landing right now: its completion or failure answers D.
     rec.cancel_pending = True
     return []
 
 
-def _s_writing_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[Any]:
+def _s_writing_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[ev.SendAction]:
     # Never free blocks under a live WRITE: ask for an abort and wait for WriteFailed.
     if rec.aborting:
         rec.deadline_ns = ctx.now_ns + ctx.policy.write_timeout_ns
@@ -235,46 +246,50 @@ def _s_writing_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> lis
     return [ev.AbortWrite(rec.transfer_id)]
 
 
-def _s_terminal_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[Any]:
+def _s_terminal_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[ev.SendAction]:
     if rec.state is SendState.DONE or e.reg.d_rank in rec.registrations:
         raise RemoteProtocolError(f"{e.reg.transfer_id}: registration for a finished transfer")
     rec.registrations[e.reg.d_rank] = e.reg
     return [ev.SendFail(rec.transfer_id, (e.reg.d_addr,), rec.reason or FailReason.CANCELLED)]
 
 
-def _s_terminal_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> list[Any]:
+def _s_terminal_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> list[ev.SendAction]:
     # D gave up (cancel, expiry) before P finished: hand the blocks straight back.
     _prefill_into(rec, e)
     rec.blocks_held = False
     return [ev.FreeBlocks(rec.transfer_id, e.request_id)]
 
 
-def _s_terminal_prefill_aborted(rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx) -> list[Any]:
+def _s_terminal_prefill_aborted(
+    rec: SendRecord, e: ev.PrefillAborted, ctx: SendCtx
+) -> list[ev.SendAction]:
     if rec.request_id is not None:
         raise LocalProtocolError(f"{e.transfer_id}: prefill aborted after it finished")
     rec.request_id = e.request_id
     return []
 
 
-def _s_terminal_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[Any]:
+def _s_terminal_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[ev.SendAction]:
     if rec.state is SendState.DONE:
         # The bytes are in D's blocks: an answer ends D's wait sooner than its grace.
         return [ev.ResendCompletion(rec.transfer_id, (e.d_addr,))]
     return [ev.SendFail(rec.transfer_id, (e.d_addr,), rec.reason or FailReason.CANCELLED)]
 
 
-def _stale(rec: Any, e: Any, ctx: Any) -> list[Any]:
+def _s_stale(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[ev.SendAction]:
     raise RemoteProtocolError(f"{type(e).__name__} for a transfer in no state to take it")
 
 
-def _ignore(rec: Any, e: Any, ctx: Any) -> list[Any]:
+def _s_ignore(rec: SendRecord, e: object, ctx: SendCtx) -> list[ev.SendAction]:
     return []
 
 
-Transition = Callable[[Any, Any, Any], list[Any]]
+# The event parameter is Any: each entry takes exactly the event type of its key, which a
+# Callable type over the union cannot say (parameters are contravariant).
+SendTransition = Callable[[SendRecord, Any, SendCtx], list[ev.SendAction]]
 
 _S = SendState
-SEND_TABLE: dict[tuple[SendState, type], Transition] = {
+SEND_TABLE: dict[tuple[SendState, type], SendTransition] = {
     (_S.REGISTERED, ev.Registered): _s_registered_registered,
     (_S.REGISTERED, ev.PrefillDone): _s_registered_prefill,
     (_S.REGISTERED, ev.PrefillAborted): _s_any_prefill_aborted,
@@ -290,8 +305,8 @@ SEND_TABLE: dict[tuple[SendState, type], Transition] = {
     (_S.WRITING, ev.WriteDone): _s_writing_done,
     (_S.WRITING, ev.WriteFailed): _s_writing_failed,
     (_S.WRITING, ev.Cancelled): _s_writing_cancelled,
-    (_S.WRITING, ev.HeartbeatSeen): _ignore,
-    (_S.WRITING, ev.Registered): _stale,
+    (_S.WRITING, ev.HeartbeatSeen): _s_ignore,
+    (_S.WRITING, ev.Registered): _s_stale,
     (_S.WRITING, DeadlinePassed): _s_writing_deadline,
     **{(t, ev.Registered): _s_terminal_registered for t in _SEND_TERMINAL},
     **{(t, ev.PrefillDone): _s_terminal_prefill for t in _SEND_TERMINAL if t is not _S.DONE},
@@ -301,26 +316,28 @@ SEND_TABLE: dict[tuple[SendState, type], Transition] = {
         if t is not _S.DONE
     },
     **{(t, ev.Cancelled): _s_terminal_cancelled for t in _SEND_TERMINAL},
-    **{(t, ev.SourceReclaimed): _ignore for t in _SEND_TERMINAL},
+    **{(t, ev.SourceReclaimed): _s_ignore for t in _SEND_TERMINAL},
 }
 
 # What a first event makes of a transfer id never seen before (or forgotten).
-SEND_NEW: dict[type, Callable[[Any, SendCtx], tuple[SendRecord | None, list[Any]]]] = {}
+SEND_NEW: dict[type, Callable[[Any, SendCtx], tuple[SendRecord, list[ev.SendAction]]]] = {}
 
 
-def _new_registered(e: ev.Registered, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+def _new_registered(e: ev.Registered, ctx: SendCtx) -> tuple[SendRecord, list[ev.SendAction]]:
     rec = SendRecord(e.reg.transfer_id, SendState.REGISTERED, ctx.now_ns + _reg_ttl(e.reg, ctx))
     _add_registration(rec, e.reg, ctx)
     return rec, []
 
 
-def _new_prefill(e: ev.PrefillDone, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+def _new_prefill(e: ev.PrefillDone, ctx: SendCtx) -> tuple[SendRecord, list[ev.SendAction]]:
     rec = SendRecord(e.transfer_id, SendState.PREFILLED, ctx.now_ns + ctx.policy.lease_ns)
     _prefill_into(rec, e)
     return rec, []
 
 
-def _new_prefill_aborted(e: ev.PrefillAborted, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+def _new_prefill_aborted(
+    e: ev.PrefillAborted, ctx: SendCtx
+) -> tuple[SendRecord, list[ev.SendAction]]:
     # Remember the id so a registration arriving later is answered with Fail at once.
     rec = SendRecord(
         e.transfer_id,
@@ -332,7 +349,7 @@ def _new_prefill_aborted(e: ev.PrefillAborted, ctx: SendCtx) -> tuple[SendRecord
     return rec, []
 
 
-def _new_cancelled(e: ev.Cancelled, ctx: SendCtx) -> tuple[SendRecord, list[Any]]:
+def _new_cancelled(e: ev.Cancelled, ctx: SendCtx) -> tuple[SendRecord, list[ev.SendAction]]:
     # D cancels something we never saw (its registration was lost): answer so D stops
     # waiting for us, and remember the id so a late registration or prefill is handled.
     rec = SendRecord(
@@ -357,8 +374,8 @@ SEND_NEW.update(
 
 
 def send_transition(
-    rec: SendRecord | None, event: Any, ctx: SendCtx
-) -> tuple[SendRecord | None, list[Any]]:
+    rec: SendRecord | None, event: ev.SendEvent | DeadlinePassed, ctx: SendCtx
+) -> tuple[SendRecord, list[ev.SendAction]]:
     """Apply one event to one transfer's record (None if the id is unknown)."""
     if rec is None:
         new = SEND_NEW.get(type(event))
@@ -382,7 +399,7 @@ _LOCAL_EVENTS = (
 )
 
 
-def _raise_out_of_turn(event: Any, state: enum.Enum | None) -> None:
+def _raise_out_of_turn(event: object, state: enum.Enum | None) -> NoReturn:
     where = state.name if state is not None else "an unknown transfer"
     msg = f"{type(event).__name__} in {where}"
     if isinstance(event, _LOCAL_EVENTS):
@@ -439,7 +456,7 @@ class RecvCtx:
     policy: ReceiverPolicy
 
 
-def _settle(rec: RecvRecord, ctx: RecvCtx) -> list[Any]:
+def _settle(rec: RecvRecord, ctx: RecvCtx) -> list[ev.RecvAction]:
     """Report once no source can still write; never earlier (D's blocks stay ours)."""
     if any(s is SourceState.PENDING for s in rec.status.values()):
         return []
@@ -457,7 +474,7 @@ def _mark(rec: RecvRecord, p_rank: int, to: SourceState) -> None:
     rec.status[p_rank] = to
 
 
-def _cancel(rec: RecvRecord, reason: FailReason, ctx: RecvCtx) -> list[Any]:
+def _cancel(rec: RecvRecord, reason: FailReason, ctx: RecvCtx) -> list[ev.RecvAction]:
     rec.state, rec.reason = RecvState.CANCELLING, rec.reason or reason
     rec.deadline_ns = ctx.now_ns + ctx.policy.grace_ns
     pending = rec.pending()
@@ -465,33 +482,37 @@ def _cancel(rec: RecvRecord, reason: FailReason, ctx: RecvCtx) -> list[Any]:
 
 
 # --- transitions (receiving side)
-def _r_completion(rec: RecvRecord, e: ev.CompletionSeen, ctx: RecvCtx) -> list[Any]:
+def _r_completion(rec: RecvRecord, e: ev.CompletionSeen, ctx: RecvCtx) -> list[ev.RecvAction]:
     _mark(rec, e.p_rank, SourceState.DONE)
     return _settle(rec, ctx)
 
 
-def _r_awaiting_fail(rec: RecvRecord, e: ev.FailSeen | ev.SendFailed, ctx: RecvCtx) -> list[Any]:
+def _r_awaiting_fail(
+    rec: RecvRecord, e: ev.FailSeen | ev.SendFailed, ctx: RecvCtx
+) -> list[ev.RecvAction]:
     _mark(rec, e.p_rank, SourceState.FAILED)
     rec.reason = rec.reason or e.reason
     # The KV cannot be whole any more: make the other sources answer promptly.
     return _cancel(rec, e.reason, ctx) if rec.pending() else _settle(rec, ctx)
 
 
-def _r_cancelling_fail(rec: RecvRecord, e: ev.FailSeen | ev.SendFailed, ctx: RecvCtx) -> list[Any]:
+def _r_cancelling_fail(
+    rec: RecvRecord, e: ev.FailSeen | ev.SendFailed, ctx: RecvCtx
+) -> list[ev.RecvAction]:
     _mark(rec, e.p_rank, SourceState.FAILED)
     rec.reason = rec.reason or e.reason
     return _settle(rec, ctx)
 
 
-def _r_awaiting_abort(rec: RecvRecord, e: ev.AbortRequested, ctx: RecvCtx) -> list[Any]:
+def _r_awaiting_abort(rec: RecvRecord, e: ev.AbortRequested, ctx: RecvCtx) -> list[ev.RecvAction]:
     return _cancel(rec, FailReason.ABORTED, ctx)
 
 
-def _r_awaiting_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[Any]:
+def _r_awaiting_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[ev.RecvAction]:
     return _cancel(rec, FailReason.DEADLINE, ctx)
 
 
-def _r_cancelling_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[Any]:
+def _r_cancelling_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[ev.RecvAction]:
     # Last resort so the engine never waits forever: a source neither answered nor was
     # seen to die. Counted and logged by the caller.
     rec.abandoned = True
@@ -502,12 +523,18 @@ def _r_cancelling_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> 
     return _settle(rec, ctx)
 
 
-def _r_terminal_send_failed(rec: RecvRecord, e: ev.SendFailed, ctx: RecvCtx) -> list[Any]:
+def _r_terminal_send_failed(rec: RecvRecord, e: ev.SendFailed, ctx: RecvCtx) -> list[ev.RecvAction]:
     return []  # a late heartbeat or cancel to a peer that went away: nothing is owed
 
 
+def _r_ignore(rec: RecvRecord, e: object, ctx: RecvCtx) -> list[ev.RecvAction]:
+    return []
+
+
+RecvTransition = Callable[[RecvRecord, Any, RecvCtx], list[ev.RecvAction]]
+
 _R = RecvState
-RECV_TABLE: dict[tuple[RecvState, type], Transition] = {
+RECV_TABLE: dict[tuple[RecvState, type], RecvTransition] = {
     (_R.AWAITING, ev.CompletionSeen): _r_completion,
     (_R.AWAITING, ev.FailSeen): _r_awaiting_fail,
     (_R.AWAITING, ev.SendFailed): _r_awaiting_fail,
@@ -516,16 +543,16 @@ RECV_TABLE: dict[tuple[RecvState, type], Transition] = {
     (_R.CANCELLING, ev.CompletionSeen): _r_completion,
     (_R.CANCELLING, ev.FailSeen): _r_cancelling_fail,
     (_R.CANCELLING, ev.SendFailed): _r_cancelling_fail,
-    (_R.CANCELLING, ev.AbortRequested): _ignore,
+    (_R.CANCELLING, ev.AbortRequested): _r_ignore,
     (_R.CANCELLING, DeadlinePassed): _r_cancelling_deadline,
-    (_R.RECEIVED, ev.AbortRequested): _ignore,
-    (_R.FAILED, ev.AbortRequested): _ignore,
+    (_R.RECEIVED, ev.AbortRequested): _r_ignore,
+    (_R.FAILED, ev.AbortRequested): _r_ignore,
     (_R.RECEIVED, ev.SendFailed): _r_terminal_send_failed,
     (_R.FAILED, ev.SendFailed): _r_terminal_send_failed,
 }
 
 
-def _new_expected(e: ev.Expected, ctx: RecvCtx) -> tuple[RecvRecord, list[Any]]:
+def _new_expected(e: ev.Expected, ctx: RecvCtx) -> tuple[RecvRecord, list[ev.RecvAction]]:
     if not e.sources:
         raise LocalProtocolError(f"{e.transfer_id}: expected a transfer with no source")
     sources = {s.p_rank: s for s in e.sources}
@@ -543,8 +570,8 @@ def _new_expected(e: ev.Expected, ctx: RecvCtx) -> tuple[RecvRecord, list[Any]]:
 
 
 def recv_transition(
-    rec: RecvRecord | None, event: Any, ctx: RecvCtx
-) -> tuple[RecvRecord | None, list[Any]]:
+    rec: RecvRecord | None, event: ev.RecvEvent | DeadlinePassed, ctx: RecvCtx
+) -> tuple[RecvRecord | None, list[ev.RecvAction]]:
     """Apply one event to one transfer's record (None if the id is unknown)."""
     if rec is None:
         if isinstance(event, ev.Expected):

@@ -1,7 +1,7 @@
 """What P's and D's tables share: records by transfer id, their deadlines, drop counting.
 
-Owns: ``TransferTable``, the base of ``SenderTable`` (rendezvous.py) and ``ReceiverTable``
-(receiver.py). A transition that raises RemoteProtocolError (a stale, duplicate or
+Owns: ``TransferTable``, the base of ``SenderTable`` (sender_table.py) and ``ReceiverTable``
+(receiver_table.py). A transition that raises RemoteProtocolError (a stale, duplicate or
 out-of-turn message) is dropped, counted, and logged throttled (the 1st, 2nd, 4th, 8th...
 time) so a misbehaving peer cannot flood the log. Pure: no threads, no clocks.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from connector.core.deadlines import DeadlineHeap
 from connector.core.errors import RemoteProtocolError
@@ -19,27 +19,36 @@ from connector.core.errors import RemoteProtocolError
 logger = logging.getLogger(__name__)
 
 
+class _State(Protocol):
+    @property
+    def terminal(self) -> bool: ...
+
+
 class _Record(Protocol):
     deadline_ns: int
 
     @property
-    def state(self) -> Any: ...
+    def state(self) -> _State: ...
 
 
 R = TypeVar("R", bound=_Record)
-Transition = Callable[
-    [Any, Any], tuple[Any, list[Any]]
-]  # (record | None, event) -> (record, actions)
+E = TypeVar("E")  # the events a transition takes
+A = TypeVar("A")  # the actions it returns
 
 
-class TransferTable(Generic[R]):
+class TransferTable(Generic[R, E, A]):
     def __init__(self) -> None:
         self._records: dict[str, R] = {}
         self._deadlines = DeadlineHeap()
         self.dropped: Counter[str] = Counter()
         self.last_drop = ""
 
-    def _apply(self, tid: str, event: Any, transition: Transition) -> list[Any]:
+    def _apply(
+        self,
+        tid: str,
+        event: E,
+        transition: Callable[[R | None, E], tuple[R | None, list[A]]],
+    ) -> list[A]:
         """Run one transition on the record of ``tid``; keep the deadline heap current."""
         rec = self._records.get(tid)
         before = rec.deadline_ns if rec is not None else None
@@ -78,10 +87,6 @@ class TransferTable(Generic[R]):
 
     def get(self, transfer_id: str) -> R | None:
         return self._records.get(transfer_id)
-
-    def state_of(self, transfer_id: str) -> Any:
-        rec = self._records.get(transfer_id)
-        return rec.state if rec is not None else None
 
     def __len__(self) -> int:
         return len(self._records)

@@ -62,7 +62,7 @@ class Receiver:
     # ------------------------------------------------------------------ inputs
     def on_event(
         self,
-        event: ev.ReceiverEvent | ev.NotNeeded,
+        event: ev.RecvEvent | ev.NotNeeded,
         now_ns: int,
         ready: object = None,
         note: RegisterNote | None = None,
@@ -95,7 +95,7 @@ class Receiver:
             self.counters["sender_mismatch"] += 1  # a rank speaking for another: drop
             return
         if isinstance(msg, m.Completion):
-            event: ev.ReceiverEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
+            event: ev.RecvEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
         else:
             event = ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason)
         self._run(self.table.handle(event, now_ns), now_ns)
@@ -113,7 +113,7 @@ class Receiver:
         return {(s.addr.host, s.addr.port) for e in self._expected.values() for s in e.sources}
 
     # ------------------------------------------------------------------ actions
-    def _run(self, actions: list, now_ns: int) -> None:
+    def _run(self, actions: list[ev.RecvAction], now_ns: int) -> None:
         for a in actions:
             if isinstance(a, ev.SendRegister):
                 self._send_register(a, now_ns)
@@ -185,7 +185,7 @@ class Receiver:
             sent=lambda: self.spans.register_sent(a.transfer_id),
         )
 
-    def _on_send_error(self, tid: str, src: ev.Source):
+    def _on_send_error(self, tid: str, src: ev.Source) -> Callable[[TransportError], None]:
         def fail(exc: TransportError) -> None:
             # Undelivered: that rank never saw this message, or is gone. Either way it
             # will not write for this transfer.
@@ -205,7 +205,7 @@ class Receiver:
         self.counters["send_failed"] += 1
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
-    def _on_heartbeat_error(self, addr: m.PeerAddr):
+    def _on_heartbeat_error(self, addr: m.PeerAddr) -> Callable[[TransportError], None]:
         def fail(exc: TransportError) -> None:
             self.counters["heartbeat_failed"] += 1
             if isinstance(exc, PeerDisconnected):

@@ -19,7 +19,7 @@ from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import LayoutError, PeerDisconnected, TransportError
 from connector.core.layout import KVLayout
-from connector.core.plan import plan_transfer
+from connector.core.plan import Pieces, plan_transfer
 from connector.core.sender_table import SenderTable
 from connector.core.state import SenderPolicy
 from connector.transfer.doorbell import DONE, WRITE, write_key
@@ -97,7 +97,7 @@ class Sender:
     # ------------------------------------------------------------------ inputs
     def on_event(
         self,
-        event: ev.SenderEvent,
+        event: ev.SendEvent,
         now_ns: int,
         ready: ReadyCheck | None = None,
         note: PrefillNote | None = None,
@@ -265,7 +265,7 @@ class Sender:
             )
         self._poll_write(a.transfer_id, now_ns)
 
-    def _post_one(self, w: _Write, reg: m.Register, pieces) -> None:
+    def _post_one(self, w: _Write, reg: m.Register, pieces: Pieces) -> None:
         w.unposted -= 1
         if w.aborting:
             return
