@@ -141,6 +141,7 @@ class StagedPush:
             self.plan.gathered(self._gathering.pop(0)[0])
         for chunk, slot, rslot in self.plan.writes_to_post():
             notif = encode_notif(ChunkWritten(self.transfer_id, chunk.index, rslot))
+            self.write_times.first_post_ns = self.write_times.first_post_ns or _now_ns()
             handle = self._t.write(
                 self.peer,
                 _desc(self.local.addr(slot), chunk.nbytes, self.local.device_id),
@@ -149,7 +150,6 @@ class StagedPush:
                 src_mem=self.local.mem,
                 dst_mem=self.remote.mem,
             )
-            self.write_times.first_post_ns = self.write_times.first_post_ns or handle.posted_ns
             self.writes_posted += 1
             self._writes.append((chunk.index, handle))
         still = []
