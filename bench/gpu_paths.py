@@ -136,21 +136,22 @@ class Worker:
             device_id=int(self.dev.index or 0) if self.cuda else 0,
         )
         self.heads: HeadRange = (0, m.heads)
-        self.pool = SlotPool(a["slots"], a["slot_mib"] * 2**20)
-        self.staging = StagingBuffer(self.pool, self.dev)
+        self.pools = [SlotPool(n, mib * 2**20) for n, mib in a["pools"]]
+        self.stagings = [StagingBuffer(pool, self.dev) for pool in self.pools]
         self.lane = Lane(self.dev)
         self.t = NixlTransport(role, listen_port=a["ports"][role])
         self.t.register_memory(
             [(self.kv.data_ptr(), self.kv.numel())], self.layout.mem_type, self.layout.device_id
         )
-        self.staging.register(self.t)
+        for staging in self.stagings:
+            staging.register(self.t)
         self.peer = "D" if role == "P" else "P"
         self.peer_rows: Any = None
         self.scratch: Any = None
 
     def connect(self) -> dict[str, Any]:
         self.t.connect(self.peer, "127.0.0.1", self.a["ports"][self.peer], timeout_s=60)
-        return {"layout": self.layout, "staging": self.staging.remote()}
+        return {"layout": self.layout, "staging": [s.remote() for s in self.stagings]}
 
     def ipc_export(self) -> bool:
         """D: hand P its KV tensor (a CUDA IPC handle / a shared-memory fd)."""
@@ -240,7 +241,7 @@ def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             w.model.regions,
             len(case["p_ids"]),
             w.model.row_bytes,
-            w.pool.slot_bytes,
+            w.pools[case["pool"]].slot_bytes,
             case["min_chunks"],
         )
         push = StagedPush(
@@ -249,9 +250,9 @@ def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             tid,
             w.rows,
             p_ids,
-            StagedSend(chunks, w.pool, case["d_slots"]),
-            w.staging,
-            case["d_staging"],
+            StagedSend(chunks, w.pools[case["pool"]], case["d_slots"]),
+            w.stagings[case["pool"]],
+            case["d_staging"][case["pool"]],
             w.lane,
         )
         while not push.pump():
@@ -339,7 +340,7 @@ def run_d(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             w.model.regions,
             len(case["d_ids"]),
             w.model.row_bytes,
-            w.pool.slot_bytes,
+            w.pools[case["pool"]].slot_bytes,
             case["min_chunks"],
         )
         land = StagedLand(
@@ -349,7 +350,7 @@ def run_d(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             w.rows,
             w.ids(case["d_ids"]),
             StagedRecv(chunks, case["d_slots"]),
-            w.staging,
+            w.stagings[case["pool"]],
             w.lane,
         )
         w.peer_conn.send("armed")
@@ -396,8 +397,8 @@ def worker_main(role: str, conn: Any, peer_conn: Any, a: dict[str, Any]) -> None
                 "ipc_import": lambda _: w.ipc_import(),
                 "sums": w.sums,
                 "poison": w.poison,
-                "reserve": lambda n: w.pool.acquire_many(n),
-                "release": lambda slots: [w.pool.release(s) for s in slots],
+                "reserve": lambda k: w.pools[k].acquire_many(w.pools[k].num_slots),
+                "release": lambda ks: [w.pools[ks[0]].release(s) for s in ks[1]],
                 "run": (lambda c: run_p(w, c)) if role == "P" else (lambda c: run_d(w, c)),
             }[cmd]
             conn.send(("ok", fn(arg)))
@@ -490,127 +491,138 @@ def main() -> int:
     ap.add_argument("--patterns", default="contiguous,scattered,allocator")
     ap.add_argument("--paths", default="devcopy,direct,staged,ipc")
     ap.add_argument("--num-blocks", type=int, default=4096)
-    ap.add_argument("--slot-mib", type=int, default=64)
-    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--pools", default="4x64", help="staging pools, SLOTSxMIB, comma-separated")
     ap.add_argument("--min-chunks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--read-tokens", type=int, default=4096, help="0: no READ case")
+    ap.add_argument("--kernels", action="store_true", help="first time the copy kernels alone")
     ap.add_argument("--out", default=None)
     ap.add_argument("--case-timeout-s", type=float, default=120.0)
     args = ap.parse_args()
-    from connector.core.xfer_path import Locality, choose_path
-    from connector.transport.ports import free_port
-
     cuda = args.device != "cpu"
-    env = {
-        "UCX_TLS": os.environ.get(
-            "UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc" if cuda else "tcp,sm,self"
-        ),
-        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
-    }
     machine = {"host": platform.node(), "device": args.device, "argv": sys.argv}
     if cuda:
         import torch
 
         machine["gpu"] = torch.cuda.get_device_name(args.device)
     print(json.dumps({"machine": machine}), flush=True)
-    ctx = get_context("spawn")
     rows: list[dict[str, Any]] = []
     outf = open(args.out, "w") if args.out else None  # noqa: SIM115
-    for mname in args.models.split(","):
-        model = MODELS[mname]
-        ports = {"P": free_port(), "D": free_port()}
-        a = dict(
-            model=mname,
-            device=args.device,
-            num_blocks=args.num_blocks,
-            slots=args.slots,
-            slot_mib=args.slot_mib,
-            ports=ports,
-            env=env,
-        )
-        pd_p, pd_d = ctx.Pipe()
-        p, d = Handle(ctx, "P", pd_p, a), Handle(ctx, "D", pd_d, a)
-        try:
-            p.recv(), d.recv()
-            p.send("connect"), d.send("connect")
-            p_info, d_info = p.recv(), d.recv()
-            ipc = "ipc" in args.paths
-            if ipc:
-                d.send("ipc_export")
-                p.call("ipc_import")
-                d.recv()
-            d_pipe = pd_p  # D's "armed" arrives on P's end of the pair; P never reads it
-            staging_bytes = args.slots * args.slot_mib * 2**20
-            cases = [
-                (n, pat, path)
-                for n in map(int, args.tokens.split(","))
-                for pat in args.patterns.split(",")
-                for path in args.paths.split(",")
-            ]
-            if args.read_tokens:
-                cases.append((args.read_tokens, "contiguous", "read"))
-            for n, pat, path in cases:
-                nb = n // BLOCK
-                p_ids = block_ids(pat, args.num_blocks, nb, 0, n)
-                d_ids = block_ids(pat, args.num_blocks, nb, 1, n)
-                nbytes = nb * model.regions * model.row_bytes
-                case = dict(
-                    path=path,
-                    tid=f"{mname}-{n}-{pat}-{path}",
-                    tokens=n,
-                    p_ids=p_ids,
-                    d_ids=d_ids,
-                    bytes=nbytes,
-                    d_layout=d_info["layout"],
-                    p_layout=p_info["layout"],
-                    d_staging=d_info["staging"],
-                    min_chunks=args.min_chunks,
-                    timeout_s=args.case_timeout_s,
-                    p_sums=p.call("sums", p_ids),
-                )
-                if path == "staged":
-                    case["d_slots"] = d.call("reserve", args.slots)
-                reps = (
-                    args.reps
-                    if path not in ("direct", "read") or pat == "contiguous" or n <= 4096
-                    else 2
-                )
-                if path == "read":
-                    reps = 2
-                try:
-                    res = one_case(p, d, case, d_pipe, reps)
-                except (RuntimeError, TimeoutError) as exc:
-                    res = {"error": str(exc)[:300], "bytes_ok": False, "gbps": 0.0}
-                    print(f"{case['tid']}: {exc}", flush=True)
-                    raise
-                if path == "staged":
-                    d.call("release", case["d_slots"])
-                row = dict(model=mname, tokens=n, layout=pat, path=path, bytes=nbytes, **res)
-                if path == "staged":
-                    row["staging_bytes"] = 2 * staging_bytes  # P's pool + D's pool
-                if path == "direct":
-                    ch = choose_path(
-                        row.get("descriptors", 0),
-                        nbytes,
-                        src_mem="VRAM" if cuda else "DRAM",
-                        dst_mem="VRAM" if cuda else "DRAM",
-                        locality=Locality.SAME_GPU,
-                    )
-                    row["chooser"] = ch.path.value
-                rows.append(row)
-                line = json.dumps(row)
-                print(line, flush=True)
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if outf:
+            outf.write(json.dumps(row) + "\n")
+            outf.flush()
+
+    if args.kernels:
+        from bench.gpu_kernels import sweep
+
+        for mname in args.models.split(","):
+            for row in sweep(MODELS[mname], args.device, args.num_blocks, args.tokens):
+                print(json.dumps(row), flush=True)
                 if outf:
-                    outf.write(line + "\n")
-                    outf.flush()
-        finally:
-            p.stop()
-            d.stop()
+                    outf.write(json.dumps(row) + "\n")
+    for mname in args.models.split(",") if args.paths else []:
+        run_model(MODELS[mname], args, emit)
     if outf:
         outf.close()
     print_table(rows)
     return 0 if all(r.get("bytes_ok") for r in rows) else 1
+
+
+def run_model(model: Model, args: argparse.Namespace, emit: Any) -> None:
+    """Every (tokens, pattern, path) of one model between a fresh P and D process."""
+    from connector.core.xfer_path import Locality, choose_path
+    from connector.transport.ports import free_port
+
+    cuda = args.device != "cpu"
+    mem = "VRAM" if cuda else "DRAM"
+    pools = [tuple(int(x) for x in p.split("x")) for p in args.pools.split(",")]
+    env = {
+        "UCX_TLS": os.environ.get(
+            "UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc" if cuda else "tcp,sm,self"
+        ),
+        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+    }
+    a = dict(
+        model=model.name,
+        device=args.device,
+        num_blocks=args.num_blocks,
+        pools=pools,
+        ports={"P": free_port(), "D": free_port()},
+        env=env,
+    )
+    ctx = get_context("spawn")
+    pd_p, pd_d = ctx.Pipe()
+    p, d = Handle(ctx, "P", pd_p, a), Handle(ctx, "D", pd_d, a)
+    try:
+        p.recv(), d.recv()
+        p.send("connect"), d.send("connect")
+        p_info, d_info = p.recv(), d.recv()
+        if "ipc" in args.paths:
+            d.send("ipc_export")
+            p.call("ipc_import")
+            d.recv()
+        d_pipe = pd_p  # D's "armed" arrives on P's end of the pair; P never reads it again
+        cases = [
+            (n, pat, path, k)
+            for n in map(int, args.tokens.split(","))
+            for pat in args.patterns.split(",")
+            for path in args.paths.split(",")
+            for k in (range(len(pools)) if path == "staged" else [0])
+        ]
+        if args.read_tokens:
+            cases.append((args.read_tokens, "contiguous", "read", 0))
+        for n, pat, path, k in cases:
+            nb = n // BLOCK
+            p_ids = block_ids(pat, args.num_blocks, nb, 0, n)
+            d_ids = block_ids(pat, args.num_blocks, nb, 1, n)
+            nbytes = nb * model.regions * model.row_bytes
+            case = dict(
+                path=path,
+                tid=f"{model.name}-{n}-{pat}-{path}-{k}",
+                tokens=n,
+                p_ids=p_ids,
+                d_ids=d_ids,
+                bytes=nbytes,
+                d_layout=d_info["layout"],
+                p_layout=p_info["layout"],
+                d_staging=d_info["staging"],
+                min_chunks=args.min_chunks,
+                timeout_s=args.case_timeout_s,
+                pool=k,
+                p_sums=p.call("sums", p_ids),
+            )
+            if path == "staged":
+                case["d_slots"] = d.call("reserve", k)
+            slow = path == "direct" and pat != "contiguous" and n > 4096
+            reps = 2 if slow or path == "read" else args.reps
+            row = dict(model=model.name, tokens=n, layout=pat, path=path, bytes=nbytes)
+            try:
+                row.update(one_case(p, d, case, d_pipe, reps))
+            except (RuntimeError, TimeoutError) as exc:  # the pair may be out of step: stop
+                emit(dict(row, error=str(exc)[:300], bytes_ok=False, gbps=0.0))
+                return
+            if path == "staged":
+                d.call("release", (k, case["d_slots"]))
+                slots, mib = pools[k]
+                row["pool"] = f"{slots}x{mib}MiB"
+                row["staging_bytes"] = 2 * slots * mib * 2**20  # P's pool + D's pool
+            if path == "direct":
+                ch = choose_path(
+                    row.get("descriptors", 0),
+                    nbytes,
+                    src_mem=mem,
+                    dst_mem=mem,
+                    locality=Locality.SAME_GPU,
+                )
+                row["chooser"] = ch.path.value
+            emit(row)
+    finally:
+        p.stop()
+        d.stop()
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -619,6 +631,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "tokens",
         "layout",
         "path",
+        "pool",
         "descriptors",
         "total_ms",
         "gbps",

@@ -10,10 +10,25 @@ made from an integer gets 8-byte loads only).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tune:
+    """Launch shape: words per load step, rows per program, warps per program."""
+
+    block_words: int = 1024
+    rows: int = 1
+    num_warps: int = 4
+
+
+def default_tune(row_words: int) -> Tune:
+    """Measured per row size by ``python -m bench.gpu_paths --kernels`` on an H200."""
+    return Tune()
 
 
 @triton.jit
@@ -34,29 +49,33 @@ def _copy_rows(
     S_DENSE: tl.constexpr,
     D_DENSE: tl.constexpr,
     EVEN: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    # One program per (region, block): row j of region r. A dense side is a staging slot
-    # holding the chunk's rows region-major: row (r, j) at (r * n_rows + j) * row_words.
+    # One program per ROWS consecutive rows j of one region r. A dense side is a staging
+    # slot holding the chunk's rows region-major: row (r, j) at (r * n_rows + j) * row_words.
+    groups = (n_rows + ROWS - 1) // ROWS
     pid = tl.program_id(0)
-    r = pid // n_rows
-    j = pid % n_rows
-    if S_DENSE:
-        so = s_dense + pid.to(tl.int64) * row_words
-    else:
-        so = tl.load(s_off + r) + tl.load(s_ids + j) * tl.load(s_stride + r)
-    if D_DENSE:
-        do = d_dense + pid.to(tl.int64) * row_words
-    else:
-        do = tl.load(d_off + r) + tl.load(d_ids + j) * tl.load(d_stride + r)
-    so = tl.multiple_of(so, VEC)
-    do = tl.multiple_of(do, VEC)
-    for start in range(0, row_words, BLOCK):
-        o = start + tl.arange(0, BLOCK)
-        if EVEN:
-            tl.store(anchor + do + o, tl.load(anchor + so + o))
-        else:
-            m = o < row_words
-            tl.store(anchor + do + o, tl.load(anchor + so + o, mask=m), mask=m)
+    r = pid // groups
+    for k in range(ROWS):
+        j = (pid % groups) * ROWS + k
+        if j < n_rows:
+            if S_DENSE:
+                so = s_dense + (r.to(tl.int64) * n_rows + j) * row_words
+            else:
+                so = tl.load(s_off + r) + tl.load(s_ids + j) * tl.load(s_stride + r)
+            if D_DENSE:
+                do = d_dense + (r.to(tl.int64) * n_rows + j) * row_words
+            else:
+                do = tl.load(d_off + r) + tl.load(d_ids + j) * tl.load(d_stride + r)
+            so = tl.multiple_of(so, VEC)
+            do = tl.multiple_of(do, VEC)
+            for start in range(0, row_words, BLOCK):
+                o = start + tl.arange(0, BLOCK)
+                if EVEN:
+                    tl.store(anchor + do + o, tl.load(anchor + so + o))
+                else:
+                    m = o < row_words
+                    tl.store(anchor + do + o, tl.load(anchor + so + o, mask=m), mask=m)
 
 
 def launch_copy_rows(
@@ -68,6 +87,7 @@ def launch_copy_rows(
     n_rows: int,
     row_words: int,
     vec: int,
+    tune: Tune | None = None,
 ) -> None:
     """Copy ``num_regions x n_rows`` rows of ``row_words`` int64 words on the current stream.
 
@@ -77,12 +97,14 @@ def launch_copy_rows(
     """
     if num_regions == 0 or n_rows == 0:
         return
-    block = min(1024, triton.next_power_of_2(row_words))
+    tune = tune or default_tune(row_words)
+    block = min(tune.block_words, triton.next_power_of_2(row_words))
     s_dense = isinstance(src, int)
     d_dense = isinstance(dst, int)
-    st = (anchor, anchor, anchor) if isinstance(src, int) else src
-    dt = (anchor, anchor, anchor) if isinstance(dst, int) else dst
-    _copy_rows[(num_regions * n_rows,)](
+    st = (anchor, anchor, anchor) if s_dense else src
+    dt = (anchor, anchor, anchor) if d_dense else dst
+    groups = -(-n_rows // tune.rows)
+    _copy_rows[(num_regions * groups,)](
         anchor,
         st[0],
         st[1],
@@ -99,5 +121,6 @@ def launch_copy_rows(
         S_DENSE=s_dense,
         D_DENSE=d_dense,
         EVEN=row_words % block == 0,
-        num_warps=4,
+        ROWS=tune.rows,
+        num_warps=tune.num_warps,
     )

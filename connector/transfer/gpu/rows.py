@@ -95,8 +95,10 @@ class RowTable:
 
     def alignment(self) -> int:
         """The largest of 16, 8, 1 that divides every address, stride and the row size."""
-        vals = [*self.addrs(), *self.strides(), self.row_bytes]
-        return next(a for a in (16, 8, 1) if all(v % a == 0 for v in vals))
+        if "align" not in self._tables:
+            vals = [*self.addrs(), *self.strides(), self.row_bytes]
+            self._tables["align"] = next(a for a in (16, 8, 1) if all(v % a == 0 for v in vals))
+        return int(self._tables["align"])
 
 
 @functools.cache
@@ -160,6 +162,7 @@ def gather(
     out: torch.Tensor,
     regions: tuple[int, int] | None = None,
     backend: Backend = "auto",
+    tune: Any = None,
 ) -> None:
     """Rows ``ids`` of regions [r0, r1) into ``out`` (a staging slot), region-major."""
     r0, r1 = regions or (0, src.num_regions)
@@ -178,6 +181,7 @@ def gather(
             n_rows=n,
             row_words=row // _WORD,
             vec=_vec(a, src, dense=out.data_ptr()),
+            tune=tune,
         )
         return
     for k, t in enumerate(src.tensors[r0:r1]):
@@ -190,6 +194,7 @@ def scatter(
     ids: torch.Tensor,
     regions: tuple[int, int] | None = None,
     backend: Backend = "auto",
+    tune: Any = None,
 ) -> None:
     """The mirror of ``gather``: ``stage``'s rows into rows ``ids`` of regions [r0, r1)."""
     r0, r1 = regions or (0, dst.num_regions)
@@ -208,6 +213,7 @@ def scatter(
             n_rows=n,
             row_words=row // _WORD,
             vec=_vec(a, dst, dense=stage.data_ptr()),
+            tune=tune,
         )
         return
     for k, t in enumerate(dst.tensors[r0:r1]):
@@ -221,6 +227,7 @@ def copy_rows(
     dst_ids: torch.Tensor,
     regions: tuple[int, int] | None = None,
     backend: Backend = "auto",
+    tune: Any = None,
 ) -> None:
     """Rows ``src_ids`` of ``src`` straight into rows ``dst_ids`` of ``dst`` (same region
     order and row size): the IPC path, where ``dst`` is mapped from D's process."""
@@ -243,6 +250,7 @@ def copy_rows(
             n_rows=int(src_ids.numel()),
             row_words=src.row_bytes // _WORD,
             vec=_vec(a, src, dst),
+            tune=tune,
         )
         return
     for s, d in zip(src.tensors[r0:r1], dst.tensors[r0:r1], strict=True):
