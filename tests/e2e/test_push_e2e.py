@@ -26,6 +26,7 @@ import pytest
 
 from connector.tools.pdstack import metric_sum
 from connector.tools.stack import free_port
+from tests.budget import BOUNDS, Budget, RecordProperty, cpu_share
 
 if TYPE_CHECKING:
     from conftest import Pd  # tests/e2e/conftest.py (the fixture's type)
@@ -42,7 +43,9 @@ METRIC_SETTLE_S = 10.0
 IDLE_WAIT_S = 90.0  # covers P's 30 s lease, should anything be stranded
 IDLE_WINDOW_S = 10.0
 SETTLE_WAIT_S = 30.0
-IDLE_CPU_MAX_PCT = 5.0
+# Both servers together, idle: under 5 % of a core (`make perf`); 20 % in CI, where a busy
+# loop in either still fails it.
+IDLE_PAIR_CPU = Budget("idle_pair_cpu_share", precise=0.05, unit="%")
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -350,28 +353,23 @@ def test_kv_cache_returns_to_idle(pd: Pd) -> None:
     )
 
 
-def cpu_pct(pd: Pd, window_s: float) -> float:
-    """Both servers' CPU use over the next ``window_s``, in % of one core."""
-    cpu0, t0 = pd.stack.server_cpu_s(), time.monotonic()
-    time.sleep(window_s)  # a measurement window, not a synchronisation
-    return (pd.stack.server_cpu_s() - cpu0) / (time.monotonic() - t0) * 100
-
-
-def test_idle_pair_uses_almost_no_cpu(pd: Pd) -> None:
+@pytest.mark.parametrize("bound", BOUNDS)
+def test_idle_pair_uses_almost_no_cpu(pd: Pd, record_property: RecordProperty, bound: str) -> None:
     usage = wait_idle(pd)
     assert usage == {"prefill": 0.0, "decode": 0.0}, f"not idle: {usage}"
     # vLLM's own worker busy-spins on its shared-memory queue for 1 s after each step
     # (SpinCondition, busy_loop_s=1, in vllm/distributed/device_communicators/
     # shm_broadcast.py), so the pair is quiet only a moment after its last request.
+    server_cpu_s, limit = pd.stack.server_cpu_s, IDLE_PAIR_CPU.limit(bound)
     t0, deadline = time.monotonic(), time.monotonic() + SETTLE_WAIT_S
-    while (settle := cpu_pct(pd, 1.0)) >= IDLE_CPU_MAX_PCT:
+    while (settle := cpu_share(server_cpu_s, 1.0)) >= limit:
         assert time.monotonic() < deadline, (
-            f"P+D still use {settle:.1f} % of a core {SETTLE_WAIT_S:.0f} s after the traffic"
+            f"P+D still use {settle:.1%} of a core {SETTLE_WAIT_S:.0f} s after the traffic"
         )
     settled_s = time.monotonic() - t0
-    pct = cpu_pct(pd, IDLE_WINDOW_S)
+    share = cpu_share(server_cpu_s, IDLE_WINDOW_S)
     print(
-        f"\n[pd] idle P+D (quiet after {settled_s:.1f} s): {pct:.2f} % of a core over "
+        f"\n[pd] idle P+D (quiet after {settled_s:.1f} s): {share:.2%} of a core over "
         f"{IDLE_WINDOW_S:.0f} s (utime+stime of both servers' process groups)"
     )
-    assert pct < IDLE_CPU_MAX_PCT
+    IDLE_PAIR_CPU.check(record_property, bound, share)

@@ -25,13 +25,13 @@ from connector.core.errors import (
 )
 from connector.transport.base import Transport
 from connector.transport.nixl import load_nixl_api, map_nixl_error
+from connector.transport.ports import free_port
 
 try:
     API = load_nixl_api()
 except TransportError:
     pytest.skip("nixl is not installed", allow_module_level=True)
 
-from conftest import free_port  # noqa: E402
 from nixl_peers import PeerError, PeerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]

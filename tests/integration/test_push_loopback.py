@@ -7,8 +7,8 @@ written here (independent of the layout planner); every byte outside it must sta
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from connector.core import events as ev
 from connector.core.state import ReceiverPolicy, SenderPolicy
 from connector.tools.loopback import RankProcess, RankSpec, expected_event
 from connector.tools.stack import free_port
+from tests.budget import BOUNDS, Budget, RecordProperty, cpu_shares, proc_cpu_s
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -219,27 +220,21 @@ def test_registration_for_a_prefill_that_never_comes_expires(
     assert d.counters().endpoint.get("send_failed", 0) == 0
 
 
-def _proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# Each idle rank: under 5 % of a core (`make perf`); 20 % in CI still catches a busy loop.
+IDLE_RANK_CPU = Budget("idle_rank_cpu_share", precise=0.05, unit="%")
 
 
 @pytest.mark.timeout(90)
-def test_idle_pair_uses_under_5_percent_of_a_core(cluster: Callable[..., RankProcess]) -> None:
-    import time
-
+@pytest.mark.parametrize("bound", BOUNDS)
+def test_idle_pair_uses_almost_no_cpu(
+    cluster: Callable[..., RankProcess], record_property: RecordProperty, bound: str
+) -> None:
     p, d = cluster("P", "prefill"), cluster("D", "decode")
     blocks = dict(p_blocks=(1,), d_blocks=(2,), num_tokens=16)
     run_transfer([p], [d], tid="warm", **blocks)  # connected both ways, then idle
-    before = {x.pid: _proc_cpu_s(x.pid) for x in (p, d)}
-    t0 = time.monotonic()
-    time.sleep(10.0)  # the measurement window itself, not synchronisation
-    elapsed = time.monotonic() - t0
-    for x in (p, d):
-        share = (_proc_cpu_s(x.pid) - before[x.pid]) / elapsed
-        print(f"{x.spec.agent}: {share:.2%} of a core while idle")
-        assert share < 0.05, f"{x.spec.agent} used {share:.1%} of a core while idle"
+    shares = cpu_shares({x.spec.agent: partial(proc_cpu_s, x.pid) for x in (p, d)}, 10.0)
+    for agent, share in shares.items():
+        IDLE_RANK_CPU.check(record_property, bound, share, agent)
 
 
 @pytest.mark.parametrize(
