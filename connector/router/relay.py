@@ -1,6 +1,8 @@
 """One routed request: its two legs, their failure and cancellation rules, and relaying D's
 answer to the client as raw ASGI messages.
 
+Over 400 lines, one job: both legs' failure and cancellation rules must be read together.
+
 Owns: ``UpstreamError`` (a failed leg and the answer it becomes), ``PrefillWatch`` (cancels
 the D operation in progress when the P leg fails) and ``Dispatch``:
 - push / vllm-push: P's task and D's request start at the same moment; D's answer is relayed

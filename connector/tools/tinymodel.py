@@ -1,5 +1,7 @@
 """A tiny random Llama that vLLM and transformers can load, built locally with no download.
 
+Over 400 lines, one job: ruff format puts the tokenizer corpus's word lists one per line.
+
 Owns: the tiny model's spec (config, tokenizer, seeded weights), its on-disk cache and the
 ``python -m connector.tools.tinymodel`` CLI. The weights are seeded random numbers, scaled so that
 attention matters: greedy output depends on the whole prompt, which is what the end-to-end

@@ -1,5 +1,7 @@
 """An in-process fake of the transport, for unit tests of pure logic.
 
+Over 400 lines, one job: the fake must mirror every Transport behaviour and fault knob in one place.
+
 Owns: ``FakeFabric`` (a registry of fake agents plus fault-injection knobs) and
 ``FakeTransport`` (the ``Transport`` Protocol; WRITEs copy bytes with ctypes.memmove).
 Must not import: nixl, torch, threads. Time comes from the fabric's ``clock``/``sleep``

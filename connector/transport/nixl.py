@@ -1,5 +1,7 @@
 """The NIXL adapter: the only module of pushkv that calls NIXL.
 
+Over 400 lines, one job: by design the only module that calls NIXL.
+
 Owns: ``NixlTransport`` (the ``Transport`` Protocol over a NIXL agent), loading the nixl
 wheel lazily, mapping every NIXL exception onto ``connector.core.errors``, and loading
 the peer metadata that our side channel (``transport/sidechannel.py``) receives.

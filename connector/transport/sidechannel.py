@@ -1,5 +1,7 @@
 """The metadata side channel: peers swap NIXL agent metadata over one TCP round trip.
 
+Over 400 lines, one job: one protocol, its sans-IO frame and both of its ends.
+
 Owns: the wire frame (``encode_frame``, ``FrameReader``: sans-IO, tested without
 sockets), the server thread that answers exchanges on ``listen_host:port`` only, the
 single client worker that dials peers, and the inbox through which both hand received

@@ -1,5 +1,7 @@
 """The metadata side channel over real sockets, alone and under real NIXL.
 
+Over 400 lines, one subject: the side channel alone and under NixlTransport.
+
 Owns: where the server binds (read back from /proc/net/tcp), what it drops and counts,
 that it keeps serving, that the client never blocks its caller, and the NixlTransport
 behaviours that ride on it (late listener, unreachable peer, restarted peer, metadata

@@ -1,5 +1,7 @@
 """The push-vs-pull serving benchmark: ``pushkv bench [--quick]``.
 
+Over 400 lines, one job: the run's driver and its CLI; the parts live in the modules below.
+
 Owns: the per-configuration sequence (start the stack on free ports, warm up, one
 ``vllm bench serve`` run per concurrency level, stop by process group and check that the
 processes and ports are gone: ``run_config``), the log signals counted per stack, the run
