@@ -3,11 +3,16 @@ SchedulerOutput and KVConnectorOutput (pure logic; the real vLLM runs in tests/e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
+from connector.core import lifecycle as lc
+from connector.core.lifecycle import ReqState
 from connector.metadata import Handshake
-from connector.scheduler_side import ReqState, SchedulerSide
+from connector.scheduler_side import SchedulerSide
 
 D_LEG = {
     "do_remote_prefill": True,
@@ -24,6 +29,7 @@ class Req:
     kv_transfer_params: Any
     num_prompt_tokens: int = 300
     num_computed_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 @dataclass
@@ -212,3 +218,60 @@ def test_states_are_records_not_set_membership() -> None:
     req = Req("d1", dict(D_LEG))
     s.on_new_request(req)
     assert s._reqs["d1"].state is ReqState.AWAITING_ALLOC
+
+
+def test_every_state_change_is_a_lifecycle_transition(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, str]] = []
+    advance = lc.advance
+
+    def spy(state: ReqState, event: lc.ReqEvent) -> lc.Transition:
+        seen.append((state.name, type(event).__name__))
+        return advance(state, event)
+
+    monkeypatch.setattr(lc, "advance", spy)
+    s, m = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    m.ids["r1"] = ([1],)
+    s.update_state_after_alloc(req, Blocks([[1]]), 0)  # P: allocation is no event
+    s.build_connector_meta(SchedOut({"r1": 200}))  # a chunk of the prompt: no event
+    req.num_computed_tokens = 200
+    s.build_connector_meta(SchedOut({"r1": 100}))
+    s.update_connector_output(ConnOut(finished_sending={"r1"}))
+    s.request_finished(req, ([1],))
+    d = consumer()
+    dreq = Req("d1", dict(D_LEG))
+    d.on_new_request(dreq)
+    d.get_num_new_matched_tokens(dreq, 0)
+    d.update_state_after_alloc(dreq, Blocks([[1, 2, 3]]), 300)
+    d.update_connector_output(ConnOut(finished_recving={"d1"}))
+    d.update_state_after_alloc(dreq, Blocks([[1, 2, 3]]), 0)
+    d.build_connector_meta(SchedOut({"d1": 1}, preempted_req_ids={"d1"}))
+    d.request_finished(dreq, ([1, 2, 3],))
+    assert seen == [
+        ("PREFILLING", "PrefillScheduled"),
+        ("PUSHING", "PushReported"),
+        ("PUSHED_EARLY", "RequestFinished"),
+        ("AWAITING_ALLOC", "BlocksAllocated"),
+        ("RECEIVING", "RecvReported"),
+        ("DONE", "PromptCached"),
+        ("DONE", "Preempted"),
+        ("DONE", "RequestFinished"),
+    ]
+    assert s._reqs == {} and d._reqs == {}
+
+
+def test_an_event_out_of_turn_is_logged_and_changes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s, m = producer()
+    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    s.on_new_request(req)
+    m.ids["r1"] = ([1],)
+    s.build_connector_meta(SchedOut({"r1": 300}))
+    out = ConnOut(finished_recving={"r1"})  # a P request cannot have received KV
+    with caplog.at_level(logging.ERROR, logger="connector.scheduler_side"):
+        s.update_connector_output(out)
+    assert "RecvReported for request r1 in PUSHING" in caplog.text
+    assert s._reqs["r1"].state is ReqState.PUSHING and out.finished_recving == {"r1"}
+    assert s.request_finished(req, ([1],))[0] is True  # the push still holds the blocks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from connector.core.layout import KVLayout, Region
 from connector.core.messages import PeerAddr, Register
 
@@ -42,3 +44,85 @@ def register(
         num_tokens=16 * len(blocks),
         ttl_ms=ttl_ms,
     )
+
+
+def make_layout(
+    keys,
+    *,
+    block_size,
+    num_blocks,
+    heads,
+    token_bytes,
+    order,
+    pad=0,
+    base=4096,
+    gap=0,
+    device_id=0,
+    kv_split=False,
+):
+    """Regions laid one after another from `base`, in the given key order. With `kv_split`,
+    each layer is one tensor whose heads hold K[N] then V[N] (vLLM's CPU cache): parts 0
+    and 1 of a (layer, group) interleave inside the same blocks."""
+    if kv_split:
+        return _kv_split_layout(
+            keys, block_size, num_blocks, heads, token_bytes, pad, base, gap, device_id
+        )
+    stride = (heads[1] - heads[0]) * block_size * token_bytes + pad
+    regions, addr = [], base
+    for layer, group, part in keys:
+        regions.append(
+            Region(layer=layer, group=group, part=part, base_addr=addr, block_stride=stride)
+        )
+        addr += num_blocks * stride + gap
+    return KVLayout(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=token_bytes,
+        order=order,
+        regions=tuple(regions),
+        device_id=device_id,
+    )
+
+
+def _kv_split_layout(keys, n, num_blocks, heads, tb, pad, base, gap, device_id):
+    nh = heads[1] - heads[0]
+    stride = nh * 2 * n * tb + pad
+    regions, addr = [], base
+    for layer, group in sorted({(k[0], k[1]) for k in keys}):
+        for part in (0, 1):
+            regions.append(
+                Region(
+                    layer=layer,
+                    group=group,
+                    part=part,
+                    base_addr=addr + part * n * tb,
+                    block_stride=stride,
+                )
+            )
+        addr += num_blocks * stride + gap
+    return KVLayout(
+        block_size=n,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=tb,
+        order="HND",
+        regions=tuple(regions),
+        device_id=device_id,
+        head_stride=2 * n * tb,
+        token_stride=tb,
+    )
+
+
+def base_layout(**kw: Any) -> KVLayout:
+    """Two layers of a small HND cache; keywords override make_layout's arguments."""
+    args = dict(
+        keys=[(0, 0, 0), (1, 0, 0)],
+        block_size=4,
+        num_blocks=8,
+        heads=(0, 2),
+        token_bytes=4,
+        order="HND",
+    )
+    args.update(kw)
+    return make_layout(**args)
