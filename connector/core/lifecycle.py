@@ -197,9 +197,10 @@ LIFECYCLE: dict[tuple[ReqState, type[ReqEvent]], Transition] = {
     (_S.DONE, RequestFinished): Transition(_S.RELEASED),
 }
 """Every (state, event) pair a request can meet. Missing pairs are events vLLM cannot send in
-that state (a finished request is neither scheduled nor preempted; our
-get_num_new_matched_tokens asks to load only in AWAITING_ALLOC; P's and D's events never
-cross; RELEASED records are gone)."""
+that state: only running requests are scheduled or preempted (not finished ones, nor ones
+waiting for blocks or KV); workers report a staged push or receive once; our
+get_num_new_matched_tokens asks for a load only in AWAITING_ALLOC; P's and D's events never
+cross; a RELEASED request has no record."""
 
 
 def start(event: NewReqEvent) -> ReqState:
