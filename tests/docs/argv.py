@@ -21,6 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 from unittest import mock
 
 from tests.docs.commands import ROOT
@@ -37,8 +38,8 @@ class _Parsed(BaseException):
 def _stop_after_parse() -> Iterator[None]:
     original = argparse.ArgumentParser.parse_args
 
-    def parse_args(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        original(self, *args, **kwargs)  # type: ignore[call-overload]
+    def parse_args(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        original(self, *args, **kwargs)
         raise _Parsed
 
     with mock.patch.object(argparse.ArgumentParser, "parse_args", parse_args):

@@ -1,10 +1,12 @@
-"""The tables of connector/core/state.py and lifecycle.py as markdown, for docs/protocol.md.
+"""The documents' tables that are rendered from the code: the transition tables of
+connector/core/state.py and lifecycle.py (docs/protocol.md) and the import rules of
+tests/docs/layers.py (docs/architecture.md).
 
 Run: python -m tests.docs.render [--write]
-Prints each generated section, or with ``--write`` replaces the text between its markers in
-docs/protocol.md (``<!-- generated: NAME -->`` ... ``<!-- end generated -->``).
-tests/docs/test_documents.py fails while the document differs from what this renders, so
-the tables cannot drift from the code. Imports only the pure core.
+Prints each generated section, or with ``--write`` replaces the text between its markers
+(``<!-- generated: NAME -->`` ... ``<!-- end generated -->``) in the documents.
+tests/docs/test_documents.py fails while a document differs from what this renders, so the
+tables cannot drift from the code. Imports only the pure core.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from connector.core import state
+from tests.docs import layers
 from tests.docs.commands import ROOT
 
 PROTOCOL = ROOT / "docs" / "protocol.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 _SECTION = re.compile(
     r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S
 )
@@ -76,12 +80,15 @@ def lifecycle_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def sections() -> dict[str, str]:
-    """Every generated section of docs/protocol.md, by name."""
+def sections() -> dict[Path, dict[str, str]]:
+    """Every generated section, by document and name."""
     return {
-        "send-table": table(state.SendState, state.SEND_TABLE, state.SEND_NEW),
-        "recv-table": table(state.RecvState, state.RECV_TABLE),
-        "lifecycle-table": lifecycle_table(),
+        PROTOCOL: {
+            "send-table": table(state.SendState, state.SEND_TABLE, state.SEND_NEW),
+            "recv-table": table(state.RecvState, state.RECV_TABLE),
+            "lifecycle-table": lifecycle_table(),
+        },
+        ARCHITECTURE: {"import-rules": layers.table()},
     }
 
 
@@ -102,15 +109,15 @@ def section_names(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.docs.render", description=__doc__)
-    ap.add_argument("--write", action="store_true", help=f"update {PROTOCOL.relative_to(ROOT)}")
+    ap.add_argument("--write", action="store_true", help="update the documents")
     args = ap.parse_args(argv)
-    rendered = sections()
-    if args.write:
-        path = Path(PROTOCOL)
-        path.write_text(apply(path.read_text(), rendered))
-        return 0
-    for name, body in rendered.items():
-        print(f"<!-- generated: {name} -->\n{body}<!-- end generated -->\n")
+    for path, rendered in sections().items():
+        if args.write:
+            path.write_text(apply(path.read_text(), rendered))
+            continue
+        for name, body in rendered.items():
+            print(f"<!-- {path.relative_to(ROOT)} -->")
+            print(f"<!-- generated: {name} -->\n{body}<!-- end generated -->\n")
     return 0
 
 

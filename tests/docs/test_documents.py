@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.docs import render
+from tests.docs import layers, render
 from tests.docs.argv import check_command
 from tests.docs.commands import (
     PORT_VARS,
@@ -178,13 +178,19 @@ def test_the_readme_is_a_front_door() -> None:
     assert not dated, dated
 
 
-def test_protocol_tables_match_the_code() -> None:
-    text = render.PROTOCOL.read_text()
-    assert set(render.section_names(text)) == set(render.sections())
-    assert render.apply(text, render.sections()) == text, (
-        "docs/protocol.md's tables differ from connector/core/state.py: "
+@pytest.mark.parametrize("doc", sorted(render.sections()), ids=lambda p: p.name)
+def test_generated_tables_match_the_code(doc: Path) -> None:
+    text, rendered = doc.read_text(), render.sections()[doc]
+    assert set(render.section_names(text)) == set(rendered)
+    assert render.apply(text, rendered) == text, (
+        f"{doc.relative_to(ROOT)}'s generated tables differ from the code: "
         "run `python -m tests.docs.render --write`"
     )
+
+
+def test_every_module_keeps_its_layers_import_rules() -> None:
+    found = layers.violations()
+    assert not found, "\n".join(found)
 
 
 def _defaults(target: str) -> dict[str, Any]:
