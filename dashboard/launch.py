@@ -44,7 +44,7 @@ def command(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="pushkv dashboard", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", nargs="?", default=os.environ.get("PUSHKV_RUN_DIR", "runs/latest"))
     ap.add_argument("--port", type=int, default=DEFAULT_PORT)
     args = ap.parse_args(argv)

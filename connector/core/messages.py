@@ -1,4 +1,4 @@
-"""Wire messages of the push protocol (design.md §3) and their strict codec.
+"""Wire messages of the push protocol (docs/protocol.md) and their strict codec.
 
 Owns: the message structs, the frame format and the limits. Pure: imports msgspec and the
 core's layout structs only; nothing of vLLM, NIXL or threads.

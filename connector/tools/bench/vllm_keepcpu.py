@@ -11,7 +11,7 @@ nixl/base_worker.py``) calls ``os.sched_setaffinity(0, <last core of each NUMA n
 ("reserve different cores for start_load_kv() from model_forward()"). It runs on the
 worker's main thread, which is the model runner, so on a 2-core machine P's and D's forward
 passes both land on core 1 whatever ``VLLM_CPU_OMP_THREADS_BIND`` says
-(shared/reference/vllm-cpu.md, "Two findings", 2). While D busy-loops on requests waiting
+(docs/operations.md, "Tuning"). While D busy-loops on requests waiting
 for KV (its engine steps without pause), P's worker on the same core gets no CPU time for
 seconds (runnable, ``nr_switches`` unchanged) and the stack livelocks: P never finishes the
 prefill D is waiting for. The wrapper records the thread's affinity before

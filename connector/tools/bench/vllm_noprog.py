@@ -19,8 +19,8 @@ Why
 ---
 NIXL's UCX progress thread busy-polls (``nixl_agent`` hard-codes ``pthrDelay = 0``) from
 start-up: an idle P/D pair keeps both cores of a 2-core machine at 100 %, and every engine
-step competes with it (shared/reference/vllm-cpu.md, "Two findings that matter for speed on
-CPU", 1). vLLM 0.32 builds its agent in
+step competes with it (`python -m bench.poll_cost` measures our own polling instead).
+vLLM 0.32 builds its agent in
 ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py``, ``NixlBaseWorker.__init__``
 (``nixl_agent_config(num_threads=num_threads, capture_telemetry=True)``, then
 ``NixlWrapper(str(uuid.uuid4()), config)``), and offers no switch.
@@ -41,8 +41,8 @@ What is patched, exactly
    notifications from progress callbacks to a list it locks only for its own progress
    thread (``appendNotif`` in ``ucx_backend.cpp``; code reading, not a measured failure).
 2. ``NixlWrapper`` (``nixl_agent``) becomes :class:`ProgressedAgent`. Without a progress
-   thread UCX moves data only inside NIXL calls: "a process that just sleeps delivers
-   nothing, not even its own queued send_notif" (shared/reference/nixl.md, section 3), and
+   thread UCX moves data only inside NIXL calls: a process that just sleeps delivers
+   nothing, not even its own queued send_notif (NIXL 1.5.1 with the UCX backend), and
    over ``tcp`` a WRITE or READ needs the *target* to progress as well. vLLM's engines stop
    calling NIXL when they have nothing to schedule (P after its prefill, for one), so with
    change 1 alone transfers can stall. ``ProgressedAgent`` therefore runs one daemon thread

@@ -1,4 +1,4 @@
-"""Stateful property test of the whole push protocol core (design.md §3 invariants).
+"""Stateful property test of the whole push protocol core (docs/protocol.md, "Invariants").
 
 P ranks (SenderTable) and D ranks (ReceiverTable) talk through a simulated network that
 reorders, duplicates and drops frames, encoded with the real codec. Rules cover
