@@ -101,8 +101,8 @@ def launch_copy_rows(
     block = min(tune.block_words, triton.next_power_of_2(row_words))
     s_dense = isinstance(src, int)
     d_dense = isinstance(dst, int)
-    st = (anchor, anchor, anchor) if s_dense else src
-    dt = (anchor, anchor, anchor) if d_dense else dst
+    st = (anchor, anchor, anchor) if isinstance(src, int) else src
+    dt = (anchor, anchor, anchor) if isinstance(dst, int) else dst
     groups = -(-n_rows // tune.rows)
     _copy_rows[(num_regions * groups,)](
         anchor,
