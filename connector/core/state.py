@@ -1,5 +1,7 @@
 """Every state transition of a transfer, on the sending (P) and the receiving (D) side.
 
+Over 400 lines, one job: rule 1 below keeps both transition tables in this one file.
+
 Owns: the state enums, the per-transfer records and the two transition tables. Rule 1
 (h11): everything that changes a transfer's state lives in this file. Rule 2: this file
 does not know where it runs; sender_table.py (P) and receiver_table.py (D) wrap a table

@@ -1,5 +1,7 @@
 """Stateful property test of the whole push protocol core (docs/protocol.md, "Invariants").
 
+Over 400 lines, one job: one state machine, its simulated network and its invariants.
+
 P ranks (SenderTable) and D ranks (ReceiverTable) talk through a simulated network that
 reorders, duplicates and drops frames, encoded with the real codec. Rules cover
 registration, prefill done or aborted, WRITEs landing or failing, D aborts, a P rank
