@@ -64,8 +64,9 @@ def _one_size(
     stage = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     flat = src.view(-1)
     ms = _time_ms(torch, lambda: stage.copy_(flat[:nbytes]))
-    base = dict(kind="kernel", model=model.name, tokens=n, bytes=nbytes)
-    yield dict(base, op="devcopy", tune="-", ms=ms, gbps=nbytes / (ms * 1e6), ok=True)
+    base = dict(kind="kernel", model=model.name, tokens=n, layout="scattered", bytes=nbytes)
+    gbps = nbytes / (ms * 1e6)
+    yield dict(base, layout="contiguous", op="devcopy", tune="-", ms=ms, gbps=gbps, ok=True)
     want = src[:, s_ids]
     for backend, tune in [("triton", Tune(*t)) for t in TUNES] + [("torch", None)]:
         label = f"{tune.block_words}/{tune.rows}/{tune.num_warps}" if tune else "torch"

@@ -65,11 +65,9 @@ def plan_chunks(
     per_region = num_blocks * row_bytes
     if per_region <= slot_bytes:
         fit = slot_bytes // per_region
-        step = max(1, min(fit, -(-num_regions // min_chunks)))
-        return [
-            Chunk(i, r, min(r + step, num_regions), 0, num_blocks, row_bytes)
-            for i, r in enumerate(range(0, num_regions, step))
-        ]
+        k = max(-(-num_regions // fit), min(min_chunks, num_regions))
+        bounds = [num_regions * i // k for i in range(k + 1)]  # sizes differ by one at most
+        return [Chunk(i, bounds[i], bounds[i + 1], 0, num_blocks, row_bytes) for i in range(k)]
     rows = slot_bytes // row_bytes
     out: list[Chunk] = []
     for r in range(num_regions):
