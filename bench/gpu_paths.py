@@ -13,8 +13,9 @@ clock for both processes) and verified by per-row checksums of D's blocks agains
 - ``direct``: pushkv's planner (``plan_transfer``) + ``NixlTransport.write``, notification;
 - ``staged``: ``connector.transfer.gpu.staged`` (Triton gather on P, one WRITE per layer
   chunk into D's staging slots, scatter on D's own stream, slot credits);
-- ``ipc``: D's KV mapped into P's process through CUDA IPC (torch.multiprocessing), one
-  scattered -> scattered kernel, then a NIXL notification;
+- ``ipc``: ``connector.transfer.gpu.ipc``: D's KV mapped into P's process through CUDA IPC
+  (handles from torch's ``_share_cuda_``), one scattered -> scattered kernel, then a NIXL
+  notification once its event has fired;
 - ``devcopy``: the same bytes as one contiguous device copy in P (the limit).
 Also READ (D pulls from P) on the direct path for contiguous ids at 4k tokens.
 Prints one JSON line per case and a table; ``--out`` writes the JSON lines.
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any
 
+import msgspec
 import numpy as np
 
 BLOCK = 16
@@ -97,10 +99,10 @@ class Worker:
 
     def __init__(self, role: str, a: dict[str, Any], peer_conn: Any) -> None:
         import torch
-        import torch.multiprocessing  # noqa: F401  (registers CUDA/shared tensor pickling)
 
         from connector.core.heads import HeadRange
         from connector.core.layout import KVLayout, Region
+        from connector.transfer.gpu.ipc import export_rows
         from connector.transfer.gpu.lanes import Lane
         from connector.transfer.gpu.rows import RowTable
         from connector.transfer.gpu.staged import StagingBuffer
@@ -119,8 +121,8 @@ class Worker:
             self.kv = torch.randint(1, 256, shape, dtype=torch.uint8, device=self.dev, generator=g)
         else:
             self.kv = torch.zeros(shape, dtype=torch.uint8, device=self.dev)
-            if not self.cuda:
-                self.kv.share_memory_()  # so P can map it (the CPU stand-in of CUDA IPC)
+        # D's export first: on CPU, sharing moves the memory (no address may be taken before)
+        self.ipc = export_rows(RowTable.of(list(self.kv.unbind(0)))) if role == "D" else None
         self.rows = RowTable.of(list(self.kv.unbind(0)))
         self.layout = KVLayout(
             block_size=BLOCK,
@@ -151,18 +153,14 @@ class Worker:
 
     def connect(self) -> dict[str, Any]:
         self.t.connect(self.peer, "127.0.0.1", self.a["ports"][self.peer], timeout_s=60)
-        return {"layout": self.layout, "staging": [s.remote() for s in self.stagings]}
+        ipc = msgspec.msgpack.encode(self.ipc) if self.ipc is not None else None
+        return {"layout": self.layout, "staging": [s.remote() for s in self.stagings], "ipc": ipc}
 
-    def ipc_export(self) -> bool:
-        """D: hand P its KV tensor (a CUDA IPC handle / a shared-memory fd)."""
-        self.peer_conn.send(self.kv)
-        return True
+    def ipc_import(self, wire: bytes) -> bool:
+        """P: map D's KV rows from D's IpcExport (as a peer would receive it)."""
+        from connector.transfer.gpu.ipc import IpcExport, import_rows
 
-    def ipc_import(self) -> bool:
-        from connector.transfer.gpu.rows import RowTable
-
-        self.peer_kv = self.peer_conn.recv()
-        self.peer_rows = RowTable.of(list(self.peer_kv.unbind(0)))
+        self.peer_rows = import_rows(msgspec.msgpack.decode(wire, type=IpcExport))
         return True
 
     def ids(self, ids: list[int]) -> Any:
@@ -200,7 +198,7 @@ class Worker:
 
 def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
     from connector.core.plan import plan_transfer
-    from connector.transfer.gpu.rows import copy_rows
+    from connector.transfer.gpu.ipc import IpcPush
     from connector.transfer.gpu.staged import StagedPush
     from connector.transfer.staging import StagedSend, decode_notif, plan_chunks
 
@@ -268,13 +266,10 @@ def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             chunks=len(chunks),
         )
     elif path == "ipc":
-        begin = w.lane.record()
-        with w.lane.active():
-            copy_rows(w.rows, p_ids, w.peer_rows, d_ids)
-        end = w.lane.record()
-        end.wait()
-        out.update(descriptors=0, kernel_ms=begin.elapsed_ms(end))
-        w.t.send_notif("D", tid.encode())
+        push = IpcPush(w.t, "D", w.rows, p_ids, w.peer_rows, d_ids, w.lane, tid.encode())
+        while not push.pump():
+            pass
+        out.update(descriptors=0, kernel_ms=push.device_ms())
     elif path == "devcopy":
         n = case["bytes"]
         if w.scratch is None or w.scratch.numel() < n:
@@ -393,8 +388,7 @@ def worker_main(role: str, conn: Any, peer_conn: Any, a: dict[str, Any]) -> None
         try:
             fn = {
                 "connect": lambda _: w.connect(),
-                "ipc_export": lambda _: w.ipc_export(),
-                "ipc_import": lambda _: w.ipc_import(),
+                "ipc_import": w.ipc_import,
                 "sums": w.sums,
                 "poison": w.poison,
                 "reserve": lambda k: w.pools[k].acquire_many(w.pools[k].num_slots),
@@ -562,9 +556,7 @@ def run_model(model: Model, args: argparse.Namespace, emit: Any) -> None:
         p.send("connect"), d.send("connect")
         p_info, d_info = p.recv(), d.recv()
         if "ipc" in args.paths:
-            d.send("ipc_export")
-            p.call("ipc_import")
-            d.recv()
+            p.call("ipc_import", d_info["ipc"])
         d_pipe = pd_p  # D's "armed" arrives on P's end of the pair; P never reads it again
         cases = [
             (n, pat, path, k)

@@ -122,6 +122,8 @@ def interpreted(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest)
     importlib.reload(kernels)  # the decorator picks the interpreter at definition time
     R._kernels.cache_clear()
     yield
+    monkeypatch.undo()
+    importlib.reload(kernels)  # compiled again for later tests on a real GPU
     R._kernels.cache_clear()
 
 
