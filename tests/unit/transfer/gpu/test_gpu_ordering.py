@@ -9,7 +9,7 @@ import torch
 
 from connector.transfer.gpu.ipc import IpcPush
 from connector.transfer.gpu.lanes import Lane
-from connector.transfer.gpu.rows import RowTable
+from connector.transfer.gpu.rows import RowTable, copy_rows, scatter
 from connector.transfer.gpu.staged import StagedLand, StagingBuffer
 from connector.transfer.staging import ChunkWritten, SlotPool, StagedRecv, plan_chunks
 from connector.transport.fake import FakeFabric
@@ -29,6 +29,11 @@ def test_ipc_copy_waits_for_the_forward_event_and_notifies_after_it() -> None:
     p, d = fabric.transport("prefill"), fabric.transport("decode")
     p.connect("decode", *d.listen_address, timeout_s=0)
     src, dst = rows(1), rows(0)
+    ids, flipped = torch.arange(NB, device="cuda"), torch.arange(NB - 1, -1, -1, device="cuda")
+    copy_rows(src, ids, dst, flipped)  # compile first: a first launch outlasts the sleep
+    for t in dst.tensors:
+        t.zero_()
+    torch.cuda.synchronize()  # (work on the default stream after this point would wait)
     forward = torch.cuda.Stream()
     with torch.cuda.stream(forward):  # the "forward": slow, then writes the KV
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -36,8 +41,7 @@ def test_ipc_copy_waits_for_the_forward_event_and_notifies_after_it() -> None:
             t.fill_(7)
     done = torch.cuda.Event()
     done.record(forward)
-    ids = torch.arange(NB, device="cuda")
-    push = IpcPush(p, "decode", src, ids, dst, ids.flip(0), Lane("cuda"), b"ready", after=done)
+    push = IpcPush(p, "decode", src, ids, dst, flipped, Lane("cuda"), b"ready", after=done)
     assert not push.pump() and d.get_notifs() == []  # the forward is still running
     while not push.pump():
         pass
@@ -54,6 +58,11 @@ def test_staged_land_is_ready_only_after_its_scatter_event() -> None:
     pool = SlotPool(1, ROWS * NB * ROW)
     staging = StagingBuffer(pool, "cuda")
     staging.tensor.fill_(5)
+    ids = torch.arange(NB, device="cuda")
+    scatter(staging.tensor, dst, ids)  # compile first, then start from zeros again
+    for t in dst.tensors:
+        t.zero_()
+    torch.cuda.synchronize()
     lane = Lane("cuda")
     land = StagedLand(
         d,

@@ -115,7 +115,9 @@ def interpreted(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest)
     if request.node.callspec.params.get("backend") != "triton":
         yield
         return
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("Triton's interpreter before 3.9 stops on this kernel (seen with 3.6)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from connector.transfer.gpu import kernels
 
