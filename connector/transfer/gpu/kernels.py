@@ -27,7 +27,8 @@ class Tune:
 
 
 def default_tune(row_words: int) -> Tune:
-    """Measured per row size by ``python -m bench.gpu_paths --kernels`` on an H200."""
+    """One shape for every row size: on an H200 every shape tried ran within 11 % of a plain
+    copy at 16k tokens, 4 KiB and 64 KiB rows alike (``python -m bench.gpu_kernels``)."""
     return Tune()
 
 
