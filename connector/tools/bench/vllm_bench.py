@@ -54,9 +54,9 @@ class Workload:
         return 90.0 + 2.0 * num_prompts
 
 
-def vllm_command() -> Path:
-    """The ``vllm`` command of this interpreter's environment."""
-    return Path(sys.executable).parent / "vllm"
+def vllm_command() -> list[str]:
+    """``vllm`` run by this interpreter: no console script needed on PATH or beside it."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def bench_command(
@@ -70,7 +70,7 @@ def bench_command(
 ) -> list[str]:
     """The ``vllm bench serve`` command line; ``result`` None: do not save (warm-up)."""
     cmd = [
-        str(vllm_command()),
+        *vllm_command(),
         "bench",
         "serve",
         "--backend",
