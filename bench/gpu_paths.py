@@ -1,5 +1,7 @@
 """Direct, staged and IPC transfer paths for one request's KV, P and D in two processes.
 
+Over 400 lines, one job: one benchmark whose three paths share the rank processes and checks.
+
 Run: python -m bench.gpu_paths --device cuda:0 [--models qwen3-32b-tp8,llama-8b-tp1]
      [--tokens 1024,4096,16384] [--patterns contiguous,scattered,allocator] [--out X.jsonl]
 CPU smoke run: python -m bench.gpu_paths --device cpu --models tiny --tokens 256,1024

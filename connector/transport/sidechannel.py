@@ -1,12 +1,10 @@
 """The metadata side channel: peers swap NIXL agent metadata over one TCP round trip.
 
-Over 400 lines, one job: one protocol, its sans-IO frame and both of its ends.
-
-Owns: the wire frame (``encode_frame``, ``FrameReader``: sans-IO, tested without
-sockets), the server thread that answers exchanges on ``listen_host:port`` only, the
+Owns: the server thread that answers exchanges on ``listen_host:port`` only, the
 single client worker that dials peers, and the inbox through which both hand received
 metadata to the owning thread.
-Must not import: nixl, torch, vLLM, or other pushkv modules except ``core.errors``.
+Must not import: nixl, torch, vLLM, or other pushkv modules except ``core.errors`` and its
+wire codec (``sidechannel_wire.py``).
 Nothing here calls NIXL: the owner (``NixlTransport``, on the transfer thread) drains
 ``drain()`` and loads what it gets, because NIXL is called from one thread only.
 
@@ -24,7 +22,6 @@ import logging
 import queue
 import selectors
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,96 +29,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 from connector.core.errors import LocalProtocolError, RemoteProtocolError, TransportError
+from connector.transport.sidechannel_wire import (
+    KIND_EXCHANGE,
+    KIND_REPLY,
+    MAX_METADATA_BYTES,
+    Frame,
+    FrameReader,
+    bad,
+    drop_reason,
+    encode_frame,
+)
 
 logger = logging.getLogger(__name__)
-
-MAGIC = b"PKSC"
-VERSION = 1
-KIND_EXCHANGE = 1
-KIND_REPLY = 2
-_KINDS = (KIND_EXCHANGE, KIND_REPLY)
-HEADER = struct.Struct("!4sBBHI")  # magic, version, kind, name_len, md_len
-MAX_NAME_BYTES = 1024
-MAX_METADATA_BYTES = 64 << 20  # NIXL metadata is KBs; 64 MiB leaves room for huge layouts
-
-
-# -- framing (pure) ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Frame:
-    kind: int
-    name: str
-    metadata: bytes
-
-
-def encode_frame(
-    kind: int, name: str, metadata: bytes, max_metadata_bytes: int = MAX_METADATA_BYTES
-) -> bytes:
-    """One wire frame. Oversized input is our bug (LocalProtocolError), not the peer's."""
-    raw = name.encode("utf-8")
-    if kind not in _KINDS or not raw or len(raw) > MAX_NAME_BYTES:
-        raise LocalProtocolError(f"side channel frame: kind {kind}, name {name!r}")
-    if len(metadata) > max_metadata_bytes:
-        raise LocalProtocolError(
-            f"side channel frame: {len(metadata)} bytes of metadata (cap {max_metadata_bytes})"
-        )
-    return HEADER.pack(MAGIC, VERSION, kind, len(raw), len(metadata)) + raw + bytes(metadata)
-
-
-def _bad(reason: str, detail: str) -> RemoteProtocolError:
-    # args[0] is the counter key (no extra exception type: core.errors owns those).
-    return RemoteProtocolError(reason, detail)
-
-
-def drop_reason(exc: RemoteProtocolError) -> str:
-    return str(exc.args[0]) if exc.args else "malformed"
-
-
-class FrameReader:
-    """Incremental decoder of one frame: ``feed`` bytes until it returns the Frame.
-    Raises RemoteProtocolError (``drop_reason`` gives the counter key) as soon as the
-    header is wrong, so an oversized frame is refused before its body is buffered."""
-
-    def __init__(self, max_metadata_bytes: int = MAX_METADATA_BYTES) -> None:
-        self._max = max_metadata_bytes
-        self._buf = bytearray()
-        self._lens: tuple[int, int, int] | None = None  # kind, name_len, md_len
-
-    @property
-    def wanted(self) -> int:
-        """Bytes still missing (from the header's lengths once it is in)."""
-        if self._lens is None:
-            return HEADER.size - len(self._buf)
-        return HEADER.size + self._lens[1] + self._lens[2] - len(self._buf)
-
-    def feed(self, data: bytes) -> Frame | None:
-        self._buf += data
-        if self._lens is None and len(self._buf) >= HEADER.size:
-            magic, version, kind, name_len, md_len = HEADER.unpack_from(self._buf)
-            if magic != MAGIC:
-                raise _bad("bad_magic", f"magic {bytes(magic)!r}")
-            if version != VERSION:
-                raise _bad("bad_version", f"version {version} (we speak {VERSION})")
-            if kind not in _KINDS:
-                raise _bad("bad_kind", f"kind {kind}")
-            if md_len > self._max or name_len > MAX_NAME_BYTES:
-                raise _bad("oversized", f"name {name_len} B, metadata {md_len} B (cap {self._max})")
-            if name_len == 0:
-                raise _bad("malformed", "empty agent name")
-            self._lens = (kind, name_len, md_len)
-        if self._lens is None or self.wanted > 0:
-            return None
-        if self.wanted < 0:
-            raise _bad("malformed", f"{-self.wanted} bytes past the end of the frame")
-        kind, name_len, md_len = self._lens
-        body = bytes(self._buf[HEADER.size :])
-        try:
-            name = body[:name_len].decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise _bad("malformed", f"agent name is not UTF-8: {exc}") from None
-        return Frame(kind, name, body[name_len:])
-
 
 # -- what the owner drains ----------------------------------------------------------------
 
@@ -273,9 +192,9 @@ class SideChannel:
         try:
             reply = self._exchange(host, port)
             if reply.kind != KIND_REPLY:
-                raise _bad("bad_kind", f"expected a reply, got kind {reply.kind}")
+                raise bad("bad_kind", f"expected a reply, got kind {reply.kind}")
             if reply.name != peer:  # someone else listens there (a port reused)
-                raise _bad("wrong_peer", f"answered as {reply.name!r}")
+                raise bad("wrong_peer", f"answered as {reply.name!r}")
             self._inbox.put(PeerMetadata(peer, reply.metadata, "reply"))
             self._count("dials_ok")
             with self._lock:
@@ -309,7 +228,7 @@ class SideChannel:
                 s.settimeout(min(self._io_timeout_s, left))
                 chunk = s.recv(min(max(reader.wanted, 1), 1 << 20))
                 if not chunk:
-                    raise _bad("truncated", f"closed with {reader.wanted} bytes missing")
+                    raise bad("truncated", f"closed with {reader.wanted} bytes missing")
                 frame = reader.feed(chunk)
                 if frame is not None:
                     return frame

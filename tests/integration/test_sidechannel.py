@@ -29,14 +29,14 @@ from connector.core.errors import PeerUnreachable, TransportError
 from connector.transport.base import WriteHandle
 from connector.transport.nixl import NixlTransport, load_nixl_api  # nixl itself: lazily
 from connector.transport.ports import free_port
-from connector.transport.sidechannel import (
+from connector.transport.sidechannel import SideChannel
+from connector.transport.sidechannel_wire import (
     HEADER,
     KIND_EXCHANGE,
     KIND_REPLY,
     MAGIC,
     VERSION,
     FrameReader,
-    SideChannel,
     encode_frame,
 )
 from tests.budget import BOUNDS, Budget, RecordProperty, cpu_share, thread_cpu_s

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.core.errors import LocalProtocolError, RemoteProtocolError
-from connector.transport.sidechannel import (
+from connector.transport.sidechannel_wire import (
     HEADER,
     KIND_EXCHANGE,
     KIND_REPLY,
