@@ -165,27 +165,7 @@ def gather(
     tune: Any = None,
 ) -> None:
     """Rows ``ids`` of regions [r0, r1) into ``out`` (a staging slot), region-major."""
-    r0, r1 = regions or (0, src.num_regions)
-    n, row = int(ids.numel()), src.row_bytes
-    view = _slot(out, r1 - r0, n, row)
-    _ids(ids, src.device)
-    if _pick(backend, src.device, src, dense=out.data_ptr()) == "triton":
-        a = _anchor(src.device)
-        offs, strides = src.word_tables(a.data_ptr())
-        dense = (out.data_ptr() - a.data_ptr()) // _WORD
-        _kernels().launch_copy_rows(
-            a,
-            (offs[r0:r1], strides[r0:r1], ids),
-            dense,
-            num_regions=r1 - r0,
-            n_rows=n,
-            row_words=row // _WORD,
-            vec=_vec(a, src, dense=out.data_ptr()),
-            tune=tune,
-        )
-        return
-    for k, t in enumerate(src.tensors[r0:r1]):
-        torch.index_select(t, 0, ids, out=view[k])
+    _dense_copy(src, ids, out, regions, backend, tune, into_slot=True)
 
 
 def scatter(
@@ -197,27 +177,47 @@ def scatter(
     tune: Any = None,
 ) -> None:
     """The mirror of ``gather``: ``stage``'s rows into rows ``ids`` of regions [r0, r1)."""
-    r0, r1 = regions or (0, dst.num_regions)
-    n, row = int(ids.numel()), dst.row_bytes
-    view = _slot(stage, r1 - r0, n, row)
-    _ids(ids, dst.device)
-    if _pick(backend, dst.device, dst, dense=stage.data_ptr()) == "triton":
-        a = _anchor(dst.device)
-        offs, strides = dst.word_tables(a.data_ptr())
-        dense = (stage.data_ptr() - a.data_ptr()) // _WORD
+    _dense_copy(dst, ids, stage, regions, backend, tune, into_slot=False)
+
+
+def _dense_copy(
+    table: RowTable,
+    ids: torch.Tensor,
+    slot: torch.Tensor,
+    regions: tuple[int, int] | None,
+    backend: Backend,
+    tune: Any,
+    *,
+    into_slot: bool,
+) -> None:
+    """``gather`` (``into_slot``) and ``scatter``: one copy between rows ``ids`` of
+    ``table`` and the dense ``slot``, only its direction differs."""
+    r0, r1 = regions or (0, table.num_regions)
+    n, row = int(ids.numel()), table.row_bytes
+    view = _slot(slot, r1 - r0, n, row)
+    _ids(ids, table.device)
+    if _pick(backend, table.device, table, dense=slot.data_ptr()) == "triton":
+        a = _anchor(table.device)
+        offs, strides = table.word_tables(a.data_ptr())
+        rows = (offs[r0:r1], strides[r0:r1], ids)
+        dense = (slot.data_ptr() - a.data_ptr()) // _WORD
+        src, dst = (rows, dense) if into_slot else (dense, rows)
         _kernels().launch_copy_rows(
             a,
-            dense,
-            (offs[r0:r1], strides[r0:r1], ids),
+            src,
+            dst,
             num_regions=r1 - r0,
             n_rows=n,
             row_words=row // _WORD,
-            vec=_vec(a, dst, dense=stage.data_ptr()),
+            vec=_vec(a, table, dense=slot.data_ptr()),
             tune=tune,
         )
         return
-    for k, t in enumerate(dst.tensors[r0:r1]):
-        t.index_copy_(0, ids, view[k])
+    for k, t in enumerate(table.tensors[r0:r1]):
+        if into_slot:
+            torch.index_select(t, 0, ids, out=view[k])
+        else:
+            t.index_copy_(0, ids, view[k])
 
 
 def copy_rows(
