@@ -68,14 +68,7 @@ class Receiver:
         note: RegisterNote | None = None,
     ) -> None:
         if isinstance(event, ev.NotNeeded):
-            frame = m.encode(
-                m.Cancel(
-                    transfer_id=event.transfer_id,
-                    d_rank=self.me.rank,
-                    d_addr=self.me.addr,
-                    reason=m.FailReason.NOT_NEEDED,
-                )
-            )
+            frame = self._cancel_frame(event.transfer_id, m.FailReason.NOT_NEEDED)
             for src in event.sources:
                 self.peers.send(src.addr, frame, now_ns, self._count_failure)
             return
@@ -118,14 +111,7 @@ class Receiver:
             if isinstance(a, ev.SendRegister):
                 self._send_register(a, now_ns)
             elif isinstance(a, ev.SendCancel):
-                frame = m.encode(
-                    m.Cancel(
-                        transfer_id=a.transfer_id,
-                        d_rank=self.me.rank,
-                        d_addr=self.me.addr,
-                        reason=a.reason,
-                    )
-                )
+                frame = self._cancel_frame(a.transfer_id, a.reason)
                 for src in a.to:
                     self.peers.send(
                         src.addr, frame, now_ns, self._on_send_error(a.transfer_id, src)
@@ -159,6 +145,13 @@ class Receiver:
                 self.spans.received(a.transfer_id, a.ok, a.reason, at)
             else:
                 raise TypeError(f"unknown receiver action {a!r}")
+
+    def _cancel_frame(self, transfer_id: str, reason: m.FailReason) -> bytes:
+        return m.encode(
+            m.Cancel(
+                transfer_id=transfer_id, d_rank=self.me.rank, d_addr=self.me.addr, reason=reason
+            )
+        )
 
     def _send_register(self, a: ev.SendRegister, now_ns: int) -> None:
         exp = self._expected[a.transfer_id]
