@@ -59,6 +59,21 @@ class Pair:
             expected_event(tid, [self.p_spec], self.d_spec, blocks, n + self.delta), self.now
         )
 
+    def register(self, tid: str) -> m.Register:
+        """D's registration of ``tid`` for block 1 (16 tokens), for a test to hand to P itself."""
+        return m.Register(
+            transfer_id=tid,
+            d_engine_id="decode",
+            d_rank=0,
+            d_tp_size=1,
+            d_addr=self.d_spec.addr,
+            layout=self.receiver.layout,
+            block_ids=((1,),),
+            first_token=0,
+            num_tokens=16,
+            ttl_ms=10_000,
+        )
+
     def pump(self, rounds: int = 20, dt_ns: int = MS) -> None:
         for _ in range(rounds):
             self.now += dt_ns
@@ -124,19 +139,7 @@ def test_write_waits_for_the_compute_step() -> None:
 def test_unreachable_decode_fails_the_dial_and_frees_blocks() -> None:
     pair = Pair()
     pair.fabric.set_unreachable(pair.d_spec.agent)
-    reg = m.Register(
-        transfer_id="t",
-        d_engine_id="decode",
-        d_rank=0,
-        d_tp_size=1,
-        d_addr=pair.d_spec.addr,
-        layout=pair.receiver.layout,
-        block_ids=((1,),),
-        first_token=0,
-        num_tokens=16,
-        ttl_ms=10_000,
-    )
-    pair.sender.on_message(pair.d_spec.agent, reg, pair.now)
+    pair.sender.on_message(pair.d_spec.agent, pair.register("t"), pair.now)
     pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now)
     pair.pump(rounds=100)
     assert pair.sender.finished == ["preq"]
@@ -145,19 +148,7 @@ def test_unreachable_decode_fails_the_dial_and_frees_blocks() -> None:
 
 def test_spoofed_sender_is_dropped() -> None:
     pair = Pair()
-    reg = m.Register(
-        transfer_id="t",
-        d_engine_id="decode",
-        d_rank=0,
-        d_tp_size=1,
-        d_addr=pair.d_spec.addr,
-        layout=pair.receiver.layout,
-        block_ids=((1,),),
-        first_token=0,
-        num_tokens=16,
-        ttl_ms=10_000,
-    )
-    pair.sender.on_message("someone-else", reg, pair.now)
+    pair.sender.on_message("someone-else", pair.register("t"), pair.now)
     assert pair.sender.counters["sender_mismatch"] == 1 and len(pair.sender.table) == 0
     pair.receiver.on_event(expected_event("u", [pair.p_spec], pair.d_spec, (1,), 16), pair.now)
     pair.receiver.on_message(
