@@ -233,16 +233,14 @@ def test_parse_args_defaults() -> None:
     assert cfg.prefill_overrides == (CoordOverride(),)
 
 
+# The router's command line for two P servers and one D, before the flags under test.
+TWO_PREFILLS = ["--prefill", "http://p:1", "http://p:2", "--decode", "http://d:2", "--port", "1"]
+
+
 def test_parse_args_overrides_broadcast_or_per_prefill() -> None:
     cfg = parse_args(
         [
-            "--prefill",
-            "http://p:1",
-            "http://p:2",
-            "--decode",
-            "http://d:2",
-            "--port",
-            "1",
+            *TWO_PREFILLS,
             "--prefill-kv-host",
             "10.0.0.1",
             "--prefill-engine-id",
@@ -273,18 +271,7 @@ def test_parse_args_overrides_broadcast_or_per_prefill() -> None:
 )
 def test_parse_args_rejects(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        parse_args(
-            [
-                "--prefill",
-                "http://p:1",
-                "http://p:2",
-                "--decode",
-                "http://d:2",
-                "--port",
-                "1",
-                *extra,
-            ]
-        )
+        parse_args([*TWO_PREFILLS, *extra])
     assert exc.value.code == 2
     assert capsys.readouterr().out == ""  # errors go to stderr
 

@@ -239,42 +239,33 @@ async def test_d_answer_first_leaves_p_to_finish_in_background(cluster: MakeClus
     assert stats["prefill"][0]["outstanding"] == 0 and stats["decode"][0]["outstanding"] == 0
 
 
-async def test_per_rank_ports_and_agents_reach_d(cluster: MakeCluster) -> None:
-    def two_ranks(ps: list, _ds: list) -> None:
-        ps[0].coords = {
-            "engine_id": "p0",
-            "host": "10.0.0.1",
-            "port": 5600,
-            "tp_size": 2,
-            "ports": [5600, 5611],
-            "agents": ["p0-tp0-abc", "p0-tp1-abc"],
-        }
+def _two_rank_p(ps: list, _ds: list) -> None:
+    """Cluster setup: P0 runs TP 2, each rank on its own port with its own NIXL agent."""
+    ps[0].coords = {
+        "engine_id": "p0",
+        "host": "10.0.0.1",
+        "port": 5600,
+        "tp_size": 2,
+        "ports": [5600, 5611],
+        "agents": ["p0-tp0-x", "p0-tp1-x"],
+    }
 
-    c = await cluster(setup=two_ranks)
+
+async def test_per_rank_ports_and_agents_reach_d(cluster: MakeCluster) -> None:
+    c = await cluster(setup=_two_rank_p)
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
     kv = c.d_kv()
     assert (kv["remote_tp_size"], kv["remote_ports"], kv["remote_agents"]) == (
         2,
         [5600, 5611],
-        ["p0-tp0-abc", "p0-tp1-abc"],
+        ["p0-tp0-x", "p0-tp1-x"],
     )
 
 
 async def test_legs_parse_with_the_connectors_schema(cluster: MakeCluster) -> None:
     """Contract: what the router sends is what connector/kv_params.py accepts."""
     kv_params = pytest.importorskip("connector.kv_params")
-
-    def two_ranks(ps: list, _ds: list) -> None:
-        ps[0].coords = {
-            "engine_id": "p0",
-            "host": "10.0.0.1",
-            "port": 5600,
-            "tp_size": 2,
-            "ports": [5600, 5611],
-            "agents": ["p0-tp0-x", "p0-tp1-x"],
-        }
-
-    c = await cluster(setup=two_ranks)
+    c = await cluster(setup=_two_rank_p)
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
     p_leg = kv_params.parse_prefill_leg(c.p_kv())
     d_leg = kv_params.parse_decode_leg(c.d_kv())
