@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,10 +135,9 @@ def check_tagged(block: Block) -> None:
         raise DocError(f"{block.where}: `check: {kind}` takes no argument")
 
 
-def inline_commands(text: str) -> list[str]:
-    """Inline code outside fences that is a whole command (``pushkv ...``, ``python -m ...``,
-    ``make ...``). Synopses with placeholders (``<``, ``[``, ``...``, ``|``) are skipped."""
-    out: list[str] = []
+def prose_lines(text: str) -> Iterator[str]:
+    """A document's lines outside fenced blocks. A fence closes only on a line that starts
+    with its own opening marker, so a shorter or other fence inside it is content."""
     in_fence = None
     for line in text.splitlines():
         m = _FENCE.match(line)
@@ -147,8 +147,15 @@ def inline_commands(text: str) -> list[str]:
             elif line.strip().startswith(in_fence):
                 in_fence = None
             continue
-        if in_fence is not None:
-            continue
+        if in_fence is None:
+            yield line
+
+
+def inline_commands(text: str) -> list[str]:
+    """Inline code outside fences that is a whole command (``pushkv ...``, ``python -m ...``,
+    ``make ...``). Synopses with placeholders (``<``, ``[``, ``...``, ``|``) are skipped."""
+    out: list[str] = []
+    for line in prose_lines(text):
         for span in _INLINE.findall(line):
             span = span.strip()
             if span.startswith(_INLINE_START) or span == "pushkv":
@@ -222,29 +229,15 @@ _KNOBS = re.compile(r"^<!--\s*knobs:\s*(?P<target>[\w.]+:\w+)\s*-->\s*$")
 
 def links(text: str) -> list[str]:
     """The targets of markdown links outside fenced blocks (``[text](target)``)."""
-    out: list[str] = []
-    in_fence = None
-    for line in text.splitlines():
-        m = _FENCE.match(line)
-        if m is not None:
-            in_fence = m["fence"] if in_fence is None else None
-            continue
-        if in_fence is None:
-            out += _LINK.findall(line)
-    return out
+    return [target for line in prose_lines(text) for target in _LINK.findall(line)]
 
 
 def anchors(text: str) -> set[str]:
     """GitHub's anchors of a document's headings (lower case, punctuation dropped, spaces
     to hyphens)."""
     out: set[str] = set()
-    in_fence = None
-    for line in text.splitlines():
-        m = _FENCE.match(line)
-        if m is not None:
-            in_fence = m["fence"] if in_fence is None else None
-            continue
-        h = _HEADING.match(line) if in_fence is None else None
+    for line in prose_lines(text):
+        h = _HEADING.match(line)
         if h is not None:
             title = re.sub(r"[`*_]", "", h[1]).lower()
             out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
