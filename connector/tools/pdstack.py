@@ -25,18 +25,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
-
-import httpx
+from typing import IO, Any, ClassVar, Self
 
 from connector.tools.stack import (
+    ChildProcess,
     ServerError,
     Stack,
     VllmServer,
     free_port,
     group_cpu_s,
-    stop_process_group,
-    tail_lines,
 )
 
 
@@ -98,10 +95,11 @@ def _distinct_free_ports(n: int) -> list[int]:
 
 
 @dataclass
-class RouterProcess:
+class RouterProcess(ChildProcess):
     """``python -m connector.cli router ...`` in its own session; healthy when its
     ``/health`` answers 200 (both backends healthy and, in push mode, P probed)."""
 
+    kind: ClassVar[str] = "router"
     prefill_url: str
     decode_url: str
     port: int
@@ -113,14 +111,6 @@ class RouterProcess:
     env: Mapping[str, str] = field(default_factory=dict)  # added to this environment
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     def command(self) -> list[str]:
         return [
@@ -141,63 +131,11 @@ class RouterProcess:
             *self.extra_args,
         ]
 
-    def log_tail(self, n: int = 40) -> str:
-        return tail_lines(self.log_path, n) if self.log_path else "<no log>"
-
     def start(self) -> None:
-        if self._proc is not None:
-            raise ServerError(f"router on port {self.port} already started (pid {self.pid})")
-        log = None
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = self.log_path.open("wb")
-            self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
-            self._log_file.flush()
-            log = self._log_file
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **self.env},
-        )
-
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        if self._proc is None:
-            raise ServerError(f"router on port {self.port} was never started")
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while True:
-                rc = self._proc.poll()
-                if rc is not None:
-                    raise ServerError(
-                        f"router on port {self.port} exited with code {rc}; last "
-                        f"lines of {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    r = client.get(f"{self.url}/health")
-                    if r.status_code == 200:
-                        return
-                    last = f"{r.status_code} {r.text[:200]}"
-                except httpx.HTTPError as exc:
-                    last = repr(exc)
-                if time.monotonic() >= deadline:
-                    raise ServerError(
-                        f"router on port {self.port} not healthy after "
-                        f"{timeout_s:.0f} s (last /health: {last}); last lines of "
-                        f"{self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(0.5)
+        self._spawn({**os.environ, **self.env})
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process_group(proc, timeout_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        super().stop(timeout_s)
 
 
 @dataclass
@@ -237,12 +175,7 @@ class PdStack:
     _stack: Stack = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        try:
-            spec = CONNECTORS[self.connector_name]
-        except KeyError:
-            raise ValueError(
-                f"unknown connector {self.connector_name!r}; known: {sorted(CONNECTORS)}"
-            ) from None
+        spec = self._connector()
         p_port, d_port, r_port, p_side, d_side = _distinct_free_ports(5)
         self.prefill = self._server(
             "prefill",
@@ -289,6 +222,15 @@ class PdStack:
             env=self._trace_env(),
         )
         self._stack = Stack([self.prefill, self.decode, self.router])
+
+    def _connector(self) -> ConnectorSpec:
+        """How both servers load the connector and how the router drives it."""
+        try:
+            return CONNECTORS[self.connector_name]
+        except KeyError:
+            raise ValueError(
+                f"unknown connector {self.connector_name!r}; known: {sorted(CONNECTORS)}"
+            ) from None
 
     def _server(
         self,

@@ -1,8 +1,9 @@
 """Process management for real vLLM servers: ``make demo``, the end-to-end tests, the benchmarks.
 
 Owns: the vLLM command line and child environment we run with (``VllmServer``), starting a
-server in its own session, waiting for ``/health``, stopping it by process group, and ``Stack``,
-which starts several services concurrently and always stops them all, in reverse order.
+server in its own session, waiting for ``/health``, stopping it by process group (``ChildProcess``,
+which ``pdstack.RouterProcess`` shares), and ``Stack``, which starts several services
+concurrently and always stops them all, in reverse order.
 
 Must not import vLLM, NIXL or torch: servers are child processes started with this interpreter
 (``python -m vllm.entrypoints.openai.api_server``, which works even where the ``vllm`` command
@@ -20,11 +21,11 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Protocol, Self
+from typing import IO, Any, ClassVar, Protocol, Self
 
 import httpx
 
@@ -146,8 +147,99 @@ class Service(Protocol):
     def stop(self, timeout_s: float = ...) -> None: ...
 
 
+class ChildProcess:
+    """A service run as a child process in its own session, with ``/health`` on ``url``:
+    spawning, the health wait and the stop that ``VllmServer`` and ``pdstack.RouterProcess``
+    share. Subclasses are dataclasses that declare these fields and give ``command()``."""
+
+    kind: ClassVar[str]  # what error messages call it
+    host: str
+    port: int
+    log_path: Path | None
+    _proc: subprocess.Popen[bytes] | None
+    _log_file: IO[bytes] | None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def log_tail(self, n: int = 40) -> str:
+        return tail_lines(self.log_path, n) if self.log_path else "<no log>"
+
+    def _spawn(self, env: Mapping[str, str], preexec_fn: Callable[[], Any] | None = None) -> None:
+        """Start ``command()`` in a session of its own (so stopping can signal its whole
+        group), its output after the command line to ``log_path``, or nowhere."""
+        if self._proc is not None:
+            raise ServerError(f"{self.kind} on port {self.port} already started (pid {self.pid})")
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = self.log_path.open("wb")
+            self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
+            self._log_file.flush()
+        self._proc = subprocess.Popen(
+            self.command(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        """Poll GET /health until 200. Raise ServerError at once if the process exits, or
+        after ``timeout_s``; either message carries the last 40 log lines."""
+        if self._proc is None:
+            raise ServerError(f"{self.kind} on port {self.port} was never started")
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        with httpx.Client(timeout=2.0, trust_env=False) as client:  # no proxies for loopback
+            while True:
+                rc = self._proc.poll()
+                if rc is not None:
+                    raise ServerError(
+                        f"{self.kind} on port {self.port} exited with code {rc} before it "
+                        f"was healthy; last lines of {self.log_path}:\n{self.log_tail(40)}"
+                    )
+                try:
+                    r = client.get(f"{self.url}/health")
+                    if r.status_code == 200:
+                        return
+                    last = f"{r.status_code} {r.text[:200]}"
+                except httpx.HTTPError as exc:  # not listening yet: ask again
+                    last = repr(exc)
+                if time.monotonic() >= deadline:
+                    raise ServerError(
+                        f"{self.kind} on port {self.port} not healthy after "
+                        f"{timeout_s:.0f} s (last /health: {last}); last lines of "
+                        f"{self.log_path}:\n{self.log_tail(40)}"
+                    )
+                time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the leader, then (after half of ``timeout_s``) its whole process group,
+        then SIGKILL the group at ``timeout_s``. Idempotent; a no-op if never started.
+
+        Why the leader first: vLLM's API server stops its EngineCore itself; SIGTERM to the
+        whole group at once kills the engine under it and logs an EngineDeadError on every stop.
+        """
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            stop_process_group(proc, timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
 @dataclass
-class VllmServer:
+class VllmServer(ChildProcess):
     """One vLLM OpenAI-compatible server as a child process (config plus lifecycle).
 
     ``env`` is added to the child environment (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``);
@@ -155,6 +247,7 @@ class VllmServer:
     the last value). The log defaults to a file in the temp directory named by the port.
     """
 
+    kind: ClassVar[str] = "vLLM"
     model: Path
     port: int
     served_model_name: str = "tiny"
@@ -178,10 +271,6 @@ class VllmServer:
             self.log_path = Path(tempfile.gettempdir()) / f"pushkv-vllm-{self.port}.log"
 
     # --- configuration -----------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     @property
     def log(self) -> Path:
@@ -232,76 +321,18 @@ class VllmServer:
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
         """Spawn the server in its own session (so stop() can signal the whole group:
         the API server plus its EngineCore child). Returns at once; see wait_healthy()."""
-        if self._proc is not None:
-            raise ServerError(f"server on port {self.port} already started (pid {self.pid})")
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = self.log.open("wb")
-        self._log_file.write(("$ " + " ".join(self.command()) + "\n").encode())
-        self._log_file.flush()
         cpus = self.cpu_affinity
-        self._proc = subprocess.Popen(
-            self.command(),
-            env=self.child_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self._spawn(
+            self.child_env(),
             # children inherit the mask; set in the child before exec (no threads there yet)
-            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+            None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
-
-    def log_tail(self, n: int = 40) -> str:
-        return tail_lines(self.log, n)
-
-    def wait_healthy(self, timeout_s: float = 180.0) -> None:
-        """Poll GET /health until 200. Raise ServerError at once if the process exits, or
-        after ``timeout_s``; either message carries the last 40 log lines."""
-        if self._proc is None:
-            raise ServerError(f"server on port {self.port} was never started")
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:  # no proxies for loopback
-            while True:
-                rc = self._proc.poll()
-                if rc is not None:
-                    raise ServerError(
-                        f"vLLM on port {self.port} exited with code {rc} before "
-                        f"it was healthy; last lines of {self.log}:\n"
-                        f"{self.log_tail(40)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):  # not listening yet: ask again
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                if time.monotonic() >= deadline:
-                    raise ServerError(
-                        f"vLLM on port {self.port} not healthy after "
-                        f"{timeout_s:.0f} s; last lines of {self.log}:\n"
-                        f"{self.log_tail(40)}"
-                    )
-                time.sleep(0.5)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the API server, then (after half of ``timeout_s``) its whole process
-        group, then SIGKILL the group at ``timeout_s``. Idempotent; a no-op if never started.
-
-        Why the leader first: the API server stops its EngineCore itself; SIGTERM to the whole
-        group at once kills the engine under it and logs an EngineDeadError on every stop.
-        """
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process_group(proc, timeout_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
     def rss_bytes(self) -> int:
         """Summed RSS of the server's process group (API server + engine); 0 if not running."""

@@ -21,6 +21,7 @@ Must not import vLLM, NIXL or torch (servers are child processes). Needs httpx v
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.tools.pdstack import CONNECTORS, ConnectorSpec, PdStack
-from connector.tools.stack import VllmServer, group_pids, port_is_free
+from connector.tools.stack import group_pids, port_is_free
 
 NOPROG_MODULE = "connector.tools.bench.vllm_noprog"
 KEEPCPU_MODULE = "connector.tools.bench.vllm_keepcpu"
@@ -137,22 +138,11 @@ class BenchStack(PdStack):
 
     module_path_override: str | None = None
 
-    def _server(
-        self,
-        name: str,
-        port: int,
-        role: str,
-        engine_id: str,
-        extra: Mapping[str, Any],
-        cpus: str,
-        side_port: int,
-        spec: ConnectorSpec,
-    ) -> VllmServer:
-        server = super()._server(name, port, role, engine_id, extra, cpus, side_port, spec)
-        if self.module_path_override is not None:
-            assert server.kv_transfer_config is not None  # PdStack always sets one
-            server.kv_transfer_config["kv_connector_module_path"] = self.module_path_override
-        return server
+    def _connector(self) -> ConnectorSpec:
+        spec = super()._connector()
+        if self.module_path_override is None:
+            return spec
+        return dataclasses.replace(spec, module_path=self.module_path_override)
 
     def ports(self) -> dict[str, int]:
         """Every TCP port the stack listens on, by role (HTTP ports and, for vLLM's
