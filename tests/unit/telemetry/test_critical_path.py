@@ -163,16 +163,8 @@ def test_missing_p_spans_become_one_unknown_segment() -> None:
 
 
 def test_only_router_spans_in_push_mode_is_mostly_unknown() -> None:
-    t = _without(
-        _ok_push_trace(),
-        Span.PREFILL,
-        Span.RENDEZVOUS_WAIT,
-        Span.PREPARE_DESCRIPTORS,
-        Span.WRITE,
-        Span.REGISTER,
-        Span.AWAIT_KV,
-        Span.FIRST_TOKEN,
-    )
+    router = {Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE}
+    t = _without(_ok_push_trace(), *(s for s in Span if s not in router))
     path = critical_path(t, model="push")
     assert path is not None
     assert [s.name for s in path.segments] == [Seg.ROUTER, Seg.UNKNOWN]
