@@ -134,58 +134,29 @@ def test_request_id_from() -> None:
         assert re.fullmatch(r"[0-9a-f]{32}", rid)
 
 
+def _probe_answer(**pushkv: object) -> dict[str, object]:
+    """P's answer to a probe whose ``kv_transfer_params["pushkv"]`` holds ``pushkv``."""
+    return {"kv_transfer_params": {"pushkv": pushkv}}
+
+
 def test_pull_and_probe_parsing() -> None:
-    coords = legs.parse_probe_response(
-        {"kv_transfer_params": {"pushkv": {"engine_id": "e", "host": "h", "port": 1, "tp_size": 2}}}
-    )
+    coords = legs.parse_probe_response(_probe_answer(engine_id="e", host="h", port=1, tp_size=2))
     assert coords == PrefillCoords("e", "h", 1, 2)
     for bad in (
         {},
         {"kv_transfer_params": None},
-        {"kv_transfer_params": {"pushkv": {"engine_id": "e"}}},
-        {
-            "kv_transfer_params": {
-                "pushkv": {"engine_id": "e", "host": "h", "port": 0, "tp_size": 1}
-            }
-        },
-        {
-            "kv_transfer_params": {
-                "pushkv": {"engine_id": "e", "host": "h", "port": "1", "tp_size": 1}
-            }
-        },
+        _probe_answer(engine_id="e"),
+        _probe_answer(engine_id="e", host="h", port=0, tp_size=1),
+        _probe_answer(engine_id="e", host="h", port="1", tp_size=1),
     ):
         with pytest.raises(RemoteProtocolError):
             legs.parse_probe_response(bad)
-    full = legs.parse_probe_response(
-        {
-            "kv_transfer_params": {
-                "pushkv": {
-                    "engine_id": "e",
-                    "host": "h",
-                    "port": 1,
-                    "tp_size": 2,
-                    "ports": [1, 3],
-                    "agents": ["a0", "a1"],
-                }
-            }
-        }
-    )
+    two_ranks = {"engine_id": "e", "host": "h", "port": 1, "tp_size": 2}
+    full = legs.parse_probe_response(_probe_answer(**two_ranks, ports=[1, 3], agents=["a0", "a1"]))
     assert (full.ports, full.agents) == ((1, 3), ("a0", "a1"))
     for bad_lists in ({"ports": [1]}, {"agents": ["a0"]}, {"ports": [1, 0]}, {"agents": "a0a1"}):
         with pytest.raises(RemoteProtocolError):
-            legs.parse_probe_response(
-                {
-                    "kv_transfer_params": {
-                        "pushkv": {
-                            "engine_id": "e",
-                            "host": "h",
-                            "port": 1,
-                            "tp_size": 2,
-                            **bad_lists,
-                        }
-                    }
-                }
-            )
+            legs.parse_probe_response(_probe_answer(**two_ranks, **bad_lists))
     assert legs.parse_models_response({"data": [{"id": "m"}]}) == "m"
     with pytest.raises(RemoteProtocolError):
         legs.parse_models_response({"data": []})
