@@ -64,16 +64,20 @@ def make_layout(
     each layer is one tensor whose heads hold K[N] then V[N] (vLLM's CPU cache): parts 0
     and 1 of a (layer, group) interleave inside the same blocks."""
     if kv_split:
-        return _kv_split_layout(
-            keys, block_size, num_blocks, heads, token_bytes, pad, base, gap, device_id
+        regions = _kv_split_regions(
+            keys, block_size, num_blocks, heads, token_bytes, pad, base, gap
         )
-    stride = (heads[1] - heads[0]) * block_size * token_bytes + pad
-    regions, addr = [], base
-    for layer, group, part in keys:
-        regions.append(
-            Region(layer=layer, group=group, part=part, base_addr=addr, block_stride=stride)
-        )
-        addr += num_blocks * stride + gap
+        order = "HND"  # heads hold K[N] then V[N], so heads and tokens have their own strides
+        strides = dict(head_stride=2 * block_size * token_bytes, token_stride=token_bytes)
+    else:
+        stride = (heads[1] - heads[0]) * block_size * token_bytes + pad
+        regions, addr = [], base
+        for layer, group, part in keys:
+            regions.append(
+                Region(layer=layer, group=group, part=part, base_addr=addr, block_stride=stride)
+            )
+            addr += num_blocks * stride + gap
+        strides = {}
     return KVLayout(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -82,10 +86,11 @@ def make_layout(
         order=order,
         regions=tuple(regions),
         device_id=device_id,
+        **strides,
     )
 
 
-def _kv_split_layout(keys, n, num_blocks, heads, tb, pad, base, gap, device_id):
+def _kv_split_regions(keys, n, num_blocks, heads, tb, pad, base, gap):
     nh = heads[1] - heads[0]
     stride = nh * 2 * n * tb + pad
     regions, addr = [], base
@@ -101,17 +106,7 @@ def _kv_split_layout(keys, n, num_blocks, heads, tb, pad, base, gap, device_id):
                 )
             )
         addr += num_blocks * stride + gap
-    return KVLayout(
-        block_size=n,
-        num_blocks=num_blocks,
-        heads=heads,
-        token_bytes=tb,
-        order="HND",
-        regions=tuple(regions),
-        device_id=device_id,
-        head_stride=2 * n * tb,
-        token_stride=tb,
-    )
+    return regions
 
 
 def base_layout(**kw: Any) -> KVLayout:

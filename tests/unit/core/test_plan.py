@@ -94,28 +94,23 @@ def scenarios(draw):
     if split_s or split_d:
         keys = sorted({(k[0], k[1], p) for k in keys for p in (0, 1)})
         d_keys = draw(st.permutations(keys))
-    src = dict(
-        keys=keys,
-        block_size=bs,
-        num_blocks=s_nb,
-        order=draw(orders),
-        token_bytes=tb,
-        pad=draw(st.sampled_from([0, 0, 1, 7])),
-        base=4096,
-        gap=draw(st.integers(0, 3)),
-        kv_split=split_s,
-    )
-    dst = dict(
-        keys=d_keys,
-        block_size=bd,
-        num_blocks=d_nb,
-        order=draw(orders),
-        token_bytes=tb,
-        pad=draw(st.sampled_from([0, 0, 3])),
-        base=1 << 30,
-        gap=draw(st.integers(0, 3)),
-        kv_split=split_d,
-    )
+
+    def side(keys, block_size, num_blocks, pads, base, kv_split):
+        """make_layout's arguments for one side; order, pad and gap drawn."""
+        return dict(
+            keys=keys,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            order=draw(orders),
+            token_bytes=tb,
+            pad=draw(st.sampled_from(pads)),
+            base=base,
+            gap=draw(st.integers(0, 3)),
+            kv_split=kv_split,
+        )
+
+    src = side(keys, bs, s_nb, [0, 0, 1, 7], 4096, split_s)
+    dst = side(d_keys, bd, d_nb, [0, 0, 3], 1 << 30, split_d)
     return num_heads, p_tp, d_tp, src, sb, dst, db, first, num_tokens
 
 
@@ -213,35 +208,33 @@ def test_bytes_land_where_the_formula_says(shape):
     p_heads = [head_range(r, p_tp, num_heads) for r in range(p_tp)]
     d_heads = [head_range(r, d_tp, num_heads) for r in range(d_tp)]
     assignment = assign_writers(p_heads, d_heads)
+
+    def size(block_size, num_blocks, heads):
+        return len(keys) * num_blocks * ((heads[1] - heads[0]) * block_size * tb + pad) + 64
+
+    def layout(block_size, num_blocks, heads, order, buf):
+        """``keys`` laid out 32 bytes into ``buf`` (a buffer of ``size(...)`` bytes)."""
+        return make_layout(
+            keys,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            heads=heads,
+            token_bytes=tb,
+            order=order,
+            pad=pad,
+            base=buf.ctypes.data + 32,
+        )
+
     srcs = {}
     for p, heads in enumerate(p_heads):
-        size = len(keys) * s_nb * ((heads[1] - heads[0]) * bs * tb + pad) + 64
-        srcs[p] = rng.integers(0, 256, size, dtype=np.uint8)
+        srcs[p] = rng.integers(0, 256, size(bs, s_nb, heads), dtype=np.uint8)
     for d, dh in enumerate(d_heads):
-        dbuf = np.zeros(len(keys) * d_nb * ((dh[1] - dh[0]) * bd * tb + pad) + 64, dtype=np.uint8)
-        dst = make_layout(
-            keys,
-            block_size=bd,
-            num_blocks=d_nb,
-            heads=dh,
-            token_bytes=tb,
-            order=d_order,
-            pad=pad,
-            base=dbuf.ctypes.data + 32,
-        )
+        dbuf = np.zeros(size(bd, d_nb, dh), dtype=np.uint8)
+        dst = layout(bd, d_nb, dh, d_order, dbuf)
         written = np.zeros(dbuf.size, dtype=bool)
         for p in sources_of(assignment, d):
             sbuf = srcs[p]
-            src = make_layout(
-                keys,
-                block_size=bs,
-                num_blocks=s_nb,
-                heads=p_heads[p],
-                token_bytes=tb,
-                order=s_order,
-                pad=pad,
-                base=sbuf.ctypes.data + 32,
-            )
+            src = layout(bs, s_nb, p_heads[p], s_order, sbuf)
             src.validate()
             dst.validate()
             heads = assignment[(p, d)]
