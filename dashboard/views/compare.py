@@ -9,7 +9,7 @@ import streamlit as st
 from dashboard.data import OK, RunData, percentiles
 from dashboard.state import RUN, Source, initial_source, known_runs, load
 from dashboard.views import chart
-from dashboard.views.decomposition import COLOR_MAP
+from dashboard.views.decomposition import segment_bars
 from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
 from telemetry.traces import RunFolderError
@@ -99,14 +99,5 @@ def render(run: RunData, params: dict[str, str]) -> None:
             .reset_index()
             .melt(id_vars="run", var_name="segment", value_name="ms")
         )
-        fig = px.bar(
-            means,
-            x="run",
-            y="ms",
-            color="segment",
-            color_discrete_map=COLOR_MAP,
-            labels={"ms": "mean ms"},
-            title="Mean TTFT decomposition",
-        )
-        fig.update_layout(barmode="stack")
+        fig = segment_bars(means, "run", labels={"ms": "mean ms"}, title="Mean TTFT decomposition")
         chart.show(fig, key="compare_bars")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pandas as pd
 import plotly.express as px
+import plotly.graph_objects as go
 import streamlit as st
 
 from dashboard.data import RunData, decomposition, percentiles
@@ -14,6 +18,14 @@ GROUPINGS = {
     "load (requests in flight at arrival)": "load",
 }
 COLOR_MAP = {s.value: c for s, c in SEGMENT_COLORS.items()}
+
+
+def segment_bars(frame: pd.DataFrame, x: str, **kw: Any) -> go.Figure:
+    """``frame``'s ``ms`` per ``segment``, stacked in one bar per ``x`` value, in the
+    segments' colours (this view's chart and the comparison's)."""
+    fig = px.bar(frame, x=x, y="ms", color="segment", color_discrete_map=COLOR_MAP, **kw)
+    fig.update_layout(barmode="stack")
+    return fig
 
 
 def render(run: RunData, params: dict[str, str]) -> None:
@@ -29,17 +41,14 @@ def render(run: RunData, params: dict[str, str]) -> None:
     label = st.radio("Group by", list(GROUPINGS), horizontal=True, key="decomp_by")
     params["by"] = GROUPINGS[label]
     long = decomposition(run, GROUPINGS[label])
-    fig = px.bar(
+    fig = segment_bars(
         long,
-        x="bucket",
-        y="ms",
-        color="segment",
-        color_discrete_map=COLOR_MAP,
+        "bucket",
         hover_data={"requests": True},
         labels={"bucket": label, "ms": "mean ms"},
         category_orders={"bucket": list(dict.fromkeys(long["bucket"]))},
     )
-    fig.update_layout(barmode="stack", legend={"orientation": "h", "y": -0.25})
+    fig.update_layout(legend={"orientation": "h", "y": -0.25})
     chart.show(fig, key="decomp_chart")
     st.markdown("**Percentiles (ms)**")
     st.dataframe(
