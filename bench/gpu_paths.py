@@ -168,6 +168,18 @@ class Worker:
     def ids(self, ids: list[int]) -> Any:
         return self.torch.tensor(ids, dtype=self.torch.int64, device=self.dev)
 
+    def chunks(self, case: dict[str, Any]) -> list[Any]:
+        """The staged path's chunk plan for ``case``: P and D derive the same one."""
+        from connector.transfer.staging import plan_chunks
+
+        return plan_chunks(
+            self.model.regions,
+            len(case["p_ids"]),
+            self.model.row_bytes,
+            self.pools[case["pool"]].slot_bytes,
+            case["min_chunks"],
+        )
+
     def sums(self, ids: list[int]) -> np.ndarray:
         """(regions, blocks, 2) int64: sum and position-weighted sum of each row's words."""
         torch = self.torch
@@ -202,7 +214,7 @@ def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
     from connector.core.plan import plan_transfer
     from connector.transfer.gpu.ipc import IpcPush
     from connector.transfer.gpu.staged import StagedPush
-    from connector.transfer.staging import StagedSend, decode_notif, plan_chunks
+    from connector.transfer.staging import StagedSend, decode_notif
 
     path, tid = case["path"], case["tid"]
     p_ids, d_ids = w.ids(case["p_ids"]), w.ids(case["d_ids"])
@@ -237,13 +249,7 @@ def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             write_ms=(t3 - t1) / 1e6,
         )
     elif path == "staged":
-        chunks = plan_chunks(
-            w.model.regions,
-            len(case["p_ids"]),
-            w.model.row_bytes,
-            w.pools[case["pool"]].slot_bytes,
-            case["min_chunks"],
-        )
+        chunks = w.chunks(case)
         push = StagedPush(
             w.t,
             "D",
@@ -294,7 +300,7 @@ def run_p(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
 def run_d(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
     """D's part of one case: wait for the KV (and scatter it, on the staged path)."""
     from connector.transfer.gpu.staged import StagedLand
-    from connector.transfer.staging import StagedRecv, decode_notif, plan_chunks
+    from connector.transfer.staging import StagedRecv, decode_notif
 
     path, tid = case["path"], case["tid"].encode()
     out: dict[str, Any] = {}
@@ -333,13 +339,7 @@ def run_d(w: Worker, case: dict[str, Any]) -> dict[str, Any]:
             "write_ms": (t1 - t0) / 1e6,
         }
     if path == "staged":
-        chunks = plan_chunks(
-            w.model.regions,
-            len(case["d_ids"]),
-            w.model.row_bytes,
-            w.pools[case["pool"]].slot_bytes,
-            case["min_chunks"],
-        )
+        chunks = w.chunks(case)
         land = StagedLand(
             w.t,
             "P",
