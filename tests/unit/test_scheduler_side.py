@@ -68,11 +68,17 @@ def producer() -> tuple[SchedulerSide, Manager]:
     return s, m
 
 
-def test_push_starts_in_the_step_that_completes_the_prompt() -> None:
+def producer_with_request(*blocks: int) -> tuple[SchedulerSide, Manager, Req]:
+    """``producer()`` with request r1 (transfer t1, pushed to D) added, holding ``blocks``."""
     s, m = producer()
     req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
     s.on_new_request(req)
-    m.ids["r1"] = ([3, 4, 5],)
+    m.ids["r1"] = (list(blocks),)
+    return s, m, req
+
+
+def test_push_starts_in_the_step_that_completes_the_prompt() -> None:
+    s, m, req = producer_with_request(3, 4, 5)
     assert s.build_connector_meta(SchedOut({"r1": 200})).prefills == []  # chunk 1 of 2
     req.num_computed_tokens = 200
     plan = s.build_connector_meta(SchedOut({"r1": 100}))
@@ -84,10 +90,7 @@ def test_push_starts_in_the_step_that_completes_the_prompt() -> None:
 
 
 def test_blocks_stay_until_every_worker_finished_sending() -> None:
-    s, m = producer()
-    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
-    s.on_new_request(req)
-    m.ids["r1"] = ([1],)
+    s, m, req = producer_with_request(1)
     s.build_connector_meta(SchedOut({"r1": 300}))
     delay, params = s.request_finished(req, ([1],))
     assert (
@@ -101,10 +104,7 @@ def test_blocks_stay_until_every_worker_finished_sending() -> None:
 
 
 def test_a_push_done_before_request_finished_is_held_back() -> None:
-    s, m = producer()
-    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
-    s.on_new_request(req)
-    m.ids["r1"] = ([1],)
+    s, m, req = producer_with_request(1)
     s.build_connector_meta(SchedOut({"r1": 300}))
     out = ConnOut(finished_sending={"r1", "stranger"})
     s.update_connector_output(out)
@@ -122,10 +122,7 @@ def test_prefill_aborted_before_its_prompt_completed_tells_the_worker() -> None:
 
 
 def test_preempted_after_the_push_began_is_reclaimed_and_never_pushed_again() -> None:
-    s, m = producer()
-    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
-    s.on_new_request(req)
-    m.ids["r1"] = ([1, 2],)
+    s, m, req = producer_with_request(1, 2)
     s.build_connector_meta(SchedOut({"r1": 300}))
     plan = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r1"}))
     assert plan.reclaimed == ["t1"]
@@ -229,10 +226,7 @@ def test_every_state_change_is_a_lifecycle_transition(monkeypatch: pytest.Monkey
         return advance(state, event)
 
     monkeypatch.setattr(lc, "advance", spy)
-    s, m = producer()
-    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
-    s.on_new_request(req)
-    m.ids["r1"] = ([1],)
+    s, m, req = producer_with_request(1)
     s.update_state_after_alloc(req, Blocks([[1]]), 0)  # P: allocation is no event
     s.build_connector_meta(SchedOut({"r1": 200}))  # a chunk of the prompt: no event
     req.num_computed_tokens = 200
@@ -264,10 +258,7 @@ def test_every_state_change_is_a_lifecycle_transition(monkeypatch: pytest.Monkey
 def test_an_event_out_of_turn_is_logged_and_changes_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    s, m = producer()
-    req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})
-    s.on_new_request(req)
-    m.ids["r1"] = ([1],)
+    s, m, req = producer_with_request(1)
     s.build_connector_meta(SchedOut({"r1": 300}))
     out = ConnOut(finished_recving={"r1"})  # a P request cannot have received KV
     with caplog.at_level(logging.ERROR, logger="connector.scheduler_side"):
