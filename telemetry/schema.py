@@ -72,6 +72,9 @@ class Event(str, Enum):
     FIRST_CHUNK = "pushkv.first_chunk"  # on router `request`: first token sent to the client
     REGISTRATION = "pushkv.registration"  # on P `rendezvous_wait`: D's registration arrived
     PREFILL_DONE = "pushkv.prefill_done"  # on P `rendezvous_wait`: prompt KV complete
+    # on router `request`: one attempt failed before the client got a byte (reason, role,
+    # attempt number; the next attempt follows with a fresh transfer_id)
+    ATTEMPT_FAILED = "pushkv.router.attempt_failed"
 
 
 class Attr(str, Enum):
@@ -103,6 +106,10 @@ class Attr(str, Enum):
     PENDING = "pushkv.route.outstanding"  # outstanding requests on the chosen D
     LOCAL_TOKENS = "pushkv.local_tokens"  # prompt tokens D computed itself (prefix hit)
     HTTP_STATUS = "http.response.status_code"
+    ATTEMPT = "pushkv.router.attempt"  # 1-based attempt of a request (event attempt_failed)
+    ATTEMPTS = "pushkv.router.attempts"  # on `request`: attempts it took
+    FAILED_ROLE = "pushkv.router.failed_role"  # "prefill" | "decode": whose leg failed
+    DEGRADED = "pushkv.router.degraded"  # on `request`: served by D alone (no P usable)
     REASON = "pushkv.reason"  # why a span ended in error
     # GenAI semantic conventions
     REQUEST_MODEL = "gen_ai.request.model"

@@ -3,7 +3,8 @@
 Owns: ``RouterState`` (everything one app instance holds: backends, in-flight background
 tasks, counters; no module globals), ``create_app(config)``, the endpoints
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/router/stats``), the client-disconnect watch, and ``main(argv)`` (uvicorn).
+``/router/stats``), the attempts of one request (retry before the first byte, degraded
+mode), the client-disconnect watch, and ``main(argv)`` (uvicorn).
 
 Must not import: vLLM, NIXL, torch (the router runs in its own process, next to neither).
 """
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import httpx
@@ -28,13 +30,14 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from connector.router import legs
-from connector.router.backends import Backends, Role
+from connector.router.backends import Backends, Lease, Role
 from connector.router.config import RouterConfig, parse_args
-from connector.router.relay import SSE_DONE, Dispatch, from_exception
+from connector.router.relay import SSE_DONE, Dispatch, Retry, from_exception, send_error
 from connector.router.tracing import RequestTrace
 from telemetry.schema import Outcome
 
 logger = logging.getLogger(__name__)
+DEGRADED: Final = {"reason": "degraded: no prefill server usable, D computes the prompt"}
 
 
 class RouterState:
@@ -47,6 +50,9 @@ class RouterState:
         # P legs still running after D's answer went out (see relay.Dispatch._cleanup).
         self.background: set[asyncio.Task[Any]] = set()
         self.responses: Counter[int] = Counter()
+        self.retries: Counter[str] = Counter()  # attempts retried, by the failed leg's role
+        self.degraded = 0  # requests sent to D alone while no P was usable
+        self.router_errors = 0  # requests answered 502 for an exception of the router's own
 
     async def start(self) -> None:
         await self.backends.start()
@@ -70,6 +76,9 @@ class RouterState:
             "requests": {
                 "total": sum(self.responses.values()),
                 "by_status": {str(k): v for k, v in sorted(self.responses.items())},
+                "retried": {"total": sum(self.retries.values()), **self.retries},
+                "degraded": self.degraded,
+                "router_errors": self.router_errors,
             },
             "background_prefill_legs": len(self.background),
             **self.backends.stats(),
@@ -134,6 +143,12 @@ class ProxyEndpoint:
         error: str | None = None
         try:
             error = await self._answer(scope, receive, request, trace, exchange)
+        except Exception as exc:
+            # A race or bug of the router's own: a clear JSON error, never a bare 500.
+            error = "router_error"
+            state.router_errors += 1
+            logger.exception("router: unexpected error serving a request")
+            await self._router_error(scope, receive, exchange, exc)
         except BaseException:
             error = Outcome.CANCELLED.value if exchange.disconnected else "router_error"
             raise
@@ -145,6 +160,24 @@ class ProxyEndpoint:
             except Exception:  # telemetry must never break serving
                 logger.exception("Ending the request's spans failed")
 
+    @staticmethod
+    async def _router_error(
+        scope: Scope, receive: Receive, exchange: _Exchange, exc: Exception
+    ) -> None:
+        leaf: BaseException = exc
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]  # the task group's wrapping says nothing
+        message = f"router error: {leaf!r}"
+        try:
+            if exchange.status is None:
+                await error_response(502, message, "router_error")(scope, receive, exchange.send)
+            elif not exchange.complete:
+                err = json.dumps({"error": {"message": message, "type": "router_error"}})
+                event = f"\n\ndata: {err}\n\ndata: [DONE]\n\n".encode()
+                await exchange.send({"type": "http.response.body", "body": event})
+        except Exception:  # the client is gone: nothing left to tell it
+            logger.debug("router: could not send the error answer", exc_info=True)
+
     async def _answer(
         self,
         scope: Scope,
@@ -154,7 +187,7 @@ class ProxyEndpoint:
         exchange: _Exchange,
     ) -> str | None:
         """Serve one request; returns why it failed before any leg ran, if it did."""
-        state, counted = self.state, exchange.send
+        counted = exchange.send
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -166,37 +199,94 @@ class ProxyEndpoint:
             return "invalid_request"
         request_id = legs.request_id_from(request.headers.get("x-request-id"))
         trace.request_parsed(body, request_id)
-        route_start = time.time_ns()
-        backends = state.backends
-        reason = backends.unavailable_reason()
-        p = backends.acquire(Role.PREFILL) if reason is None else None
-        d = backends.acquire(Role.DECODE) if p is not None else None
-        if p is None or d is None:
-            if p is not None:
-                p.release()
-            reason = reason or "no healthy backend"
-            trace.routed(route_start, None, None, None, error="no_backend")
-            await error_response(503, reason, "service_unavailable")(scope, receive, counted)
-            return "no_backend"
-        trace.routed(route_start, p.backend.url, d.backend.url, d.backend.load.outstanding)
-        dispatch = Dispatch(
-            state.config,
-            self.endpoint,
-            body,
-            p,
-            d,
-            request_id=request_id,
-            trace=trace,
-            authorization=request.headers.get("authorization"),
-            background=state.background,
-        )
         async with anyio.create_task_group() as tg:
             tg.start_soon(exchange.watch_disconnect, receive, tg.cancel_scope)
             try:
-                await dispatch.serve(counted)
+                return await self._attempts(
+                    scope, receive, request, body, request_id, trace, counted
+                )
             finally:
                 tg.cancel_scope.cancel()
-        return None
+        return None  # the client left
+
+    def _route(self, failed: dict[Role, set[int]]) -> tuple[Lease | None, Lease | None]:
+        """P and D for the next attempt, avoiding the backends this request failed on. P is
+        None with D set for a degraded attempt: no P usable at all, degraded mode on."""
+        backends = self.state.backends
+        p = backends.acquire(Role.PREFILL, frozenset(failed[Role.PREFILL]))
+        if p is None and (failed[Role.PREFILL] or not self.state.config.degraded):
+            return None, None  # the only P(s) failed this request, or degraded mode is off
+        d = backends.acquire(Role.DECODE, frozenset(failed[Role.DECODE]))
+        if d is None and p is not None:
+            p.release()
+            p = None
+        return p, d
+
+    async def _attempts(
+        self,
+        scope: Scope,
+        receive: Receive,
+        request: Request,
+        body: dict[str, Any],
+        request_id: str,
+        trace: RequestTrace,
+        send: Send,
+    ) -> str | None:
+        """Up to ``max_attempts`` dispatches, each with a fresh transfer_id, while every leg
+        failure so far came before the client's first byte."""
+        state, max_attempts = self.state, self.state.config.max_attempts
+        failed: dict[Role, set[int]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        last: Retry | None = None
+        for attempt in range(1, max_attempts + 1):
+            route_start = time.time_ns()
+            p, d = self._route(failed)
+            if d is None:
+                trace.routed(route_start, None, None, None, error="no_backend")
+                trace.attempted(attempt - 1, degraded=False)
+                if last is not None:  # nothing left to retry on: the last failure answers
+                    await send_error(send, last.error, request_id)
+                    return last.error.message
+                reason = state.backends.unavailable_reason() or "no healthy backend"
+                await error_response(503, reason, "service_unavailable")(scope, receive, send)
+                return "no_backend"
+            if p is not None:
+                trace.routed(route_start, p.backend.url, d.backend.url, d.backend.load.outstanding)
+            else:
+                state.degraded += 1
+                trace.routed(
+                    route_start, None, d.backend.url, d.backend.load.outstanding, **DEGRADED
+                )
+            trace.attempted(attempt, degraded=p is None)
+            dispatch = Dispatch(
+                state.config,
+                self.endpoint,
+                body,
+                p,
+                d,
+                request_id=request_id,
+                trace=trace,
+                authorization=request.headers.get("authorization"),
+                background=state.background,
+                may_retry=attempt < max_attempts,
+            )
+            await dispatch.serve(send)
+            if dispatch.retry is None:
+                return None
+            last = dispatch.retry
+            await dispatch.settled()
+            leg = dispatch.p if last.role is Role.PREFILL else dispatch.d
+            assert leg is not None
+            failed[last.role].add(leg.backend.index)
+            state.retries[last.role.value] += 1
+            trace.attempt_failed(attempt, last.role.value, last.error.message)
+            logger.warning(
+                "router request_id=%s attempt %d failed before its first byte (%s leg): %s",
+                request_id,
+                attempt,
+                last.role.value,
+                last.error.message,
+            )
+        raise AssertionError("the last attempt answers the client")  # may_retry was False
 
 
 def create_app(
@@ -270,6 +360,13 @@ def create_app(
     return app
 
 
+def quiet_http_logs() -> None:
+    """httpx logs every request at INFO: one line per backend per health check. The router
+    logs health changes and failures itself."""
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str]) -> int:
     """``pushkv router ...``: ``argv`` is what follows ``router``. Serves until interrupted."""
     config = parse_args(argv)
@@ -278,6 +375,7 @@ def main(argv: list[str]) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_http_logs()
     import uvicorn  # only the serving process needs it
 
     from telemetry.schema import Service

@@ -55,6 +55,14 @@ class Backend:
             raise RuntimeError(f"{self.name}: router not started (no HTTP client)")
         return self.client
 
+    def record_leg_failure(self, *, suspect: bool) -> None:
+        """Count a failed leg (``BackendLoad.record_leg_failure``); log the change to
+        suspect once (the next good health check logs the way back)."""
+        before = self.load.health
+        self.load.record_leg_failure(suspect=suspect)
+        if self.load.health is not before:
+            logger.warning("router backend %s: %s -> %s", self.name, before.value, "suspect")
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "index": self.index,
@@ -208,11 +216,17 @@ class Backends:
 
     # -- choice ------------------------------------------------------------------------
 
-    def acquire(self, role: Role) -> Lease | None:
+    def acquire(self, role: Role, exclude: frozenset[int] = frozenset()) -> Lease | None:
         """Choose a backend for one leg and count the leg at once (before any await), so
-        concurrent requests see each other."""
+        concurrent requests see each other. ``exclude``: indexes this request already
+        failed on. A push-mode P whose coordinates are gone is not eligible."""
         pool = self.prefill if role is Role.PREFILL else self.decode
-        picked = choose(b.load for b in pool)
+        needs_coords = role is Role.PREFILL and self.config.mode is not Mode.PULL
+        picked = choose(
+            b.load
+            for b in pool
+            if b.index not in exclude and not (needs_coords and b.coords is None)
+        )
         return Lease(pool[picked.index]) if picked is not None else None
 
     def pick(self, role: Role) -> Backend | None:

@@ -113,6 +113,12 @@ class RouterConfig:
     # connection the server is closing at that moment (httpx's default is also 5 s); above
     # health_interval_s, so each health check reuses its connection instead of opening one.
     keepalive_expiry_s: float = 4.0
+    # Attempts per client request: a leg failing before the client got a byte is retried on
+    # another D (or P), with a fresh transfer_id; 1 disables retries.
+    max_attempts: int = 2
+    # While no P is usable, send each request to a D whole (D computes the prompt): losing
+    # every P costs latency, not availability. False: answer 503 instead.
+    degraded: bool = True
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -140,6 +146,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be >= 1")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         for o in self.prefill_overrides:
             if o.port is not None and not 0 < o.port < 65536:
                 raise ConfigError(f"--prefill-kv-port out of range: {o.port}")
@@ -210,6 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=1.0)
     p.add_argument("--probe-timeout", type=float, default=30.0)
     p.add_argument("--max-connections", type=int, default=80, help="per backend")
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=2,
+        help="attempts per request before its first byte (1: no retry)",
+    )
+    p.add_argument(
+        "--degraded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="while no P is healthy, send requests to D whole (D computes the prompt)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -244,6 +264,8 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
             health_timeout_s=a.health_timeout,
             probe_timeout_s=a.probe_timeout,
             max_connections=a.max_connections,
+            max_attempts=a.max_attempts,
+            degraded=a.degraded,
             log_level=a.log_level,
         )
     except ConfigError as exc:

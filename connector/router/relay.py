@@ -3,13 +3,15 @@ answer to the client as raw ASGI messages.
 
 Over 400 lines, one job: both legs' failure and cancellation rules must be read together.
 
-Owns: ``UpstreamError`` (a failed leg and the answer it becomes), ``PrefillWatch`` (cancels
-the D operation in progress when the P leg fails) and ``Dispatch``:
+Owns: ``UpstreamError`` (a failed leg and the answer it becomes), ``Retry`` (an attempt that
+failed before the client's first byte), ``PrefillWatch`` (cancels the D operation in progress
+when the P leg fails) and ``Dispatch`` (one attempt):
 - push / vllm-push: P's task and D's request start at the same moment; D's answer is relayed
   while P is watched. P failing first cancels D (closing its connection: vLLM aborts the
   request) and answers P's error; D failing cancels P. D finishing first leaves P to end in
   the background (its own deadline bounds it).
 - pull: P, then D with P's returned ``kv_transfer_params``.
+- degraded (no P usable): D alone, with the client's body as is.
 The caller (``app.py``) runs ``Dispatch.serve`` under a cancel scope that fires when the
 client disconnects; cleanup then closes both legs.
 
@@ -22,6 +24,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import anyio
@@ -30,7 +33,7 @@ from starlette.types import Send
 
 from connector.core.errors import PushkvError
 from connector.router import legs
-from connector.router.backends import Backend, Lease
+from connector.router.backends import Backend, Lease, Role
 from connector.router.config import Mode, RouterConfig
 from connector.router.tracing import RequestTrace
 from telemetry.schema import Outcome
@@ -130,7 +133,7 @@ async def post_json(
             )
         return answer
     except UpstreamError as err:
-        backend.load.record_leg_failure(suspect=err.suspect)
+        backend.record_leg_failure(suspect=err.suspect)
         logger.warning("router %s leg failed: %s", what, err.message)
         raise
 
@@ -156,7 +159,7 @@ async def open_stream(
             err = from_exception(exc, backend, what)
         finally:
             await _close(resp)
-    backend.load.record_leg_failure(suspect=err.suspect)
+    backend.record_leg_failure(suspect=err.suspect)
     logger.warning("router %s leg failed: %s", what, err.message)
     raise err
 
@@ -167,6 +170,15 @@ async def _close(resp: httpx.Response | None) -> None:
         # (that is what tells vLLM to abort the request).
         with anyio.CancelScope(shield=True):
             await resp.aclose()
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Why an attempt ended without answering: a leg of ``role`` failed before the client
+    got a byte, and another attempt is allowed."""
+
+    role: Role
+    error: UpstreamError
 
 
 class _PrefillFailed:
@@ -220,23 +232,31 @@ class PrefillWatch:
 
 
 class Dispatch:
-    """One client request routed to one P and one D."""
+    """One attempt at a client request: routed to one P and one D, or (degraded, ``p`` None)
+    to D alone with the client's body as is, so D computes the prompt itself. With
+    ``may_retry``, a leg failing before the client got a byte (connect error, timeout, 5xx)
+    leaves ``retry`` set and nothing sent; the caller runs the next attempt."""
 
     def __init__(
         self,
         config: RouterConfig,
         endpoint: legs.Endpoint,
         body: dict[str, Any],
-        p: Lease,
+        p: Lease | None,
         d: Lease,
         *,
         request_id: str,
         trace: RequestTrace,
         authorization: str | None,
         background: set[asyncio.Task[Any]],
+        may_retry: bool = False,
     ) -> None:
         self.config, self.endpoint, self.body = config, endpoint, body
         self.p, self.d = p, d
+        # Read once: a health check may drop P's coordinates while this request runs.
+        self.coords = p.backend.coords if p is not None else None
+        self._may_retry = may_retry
+        self.retry: Retry | None = None
         self.request_id, self.trace, self._authorization = request_id, trace, authorization
         self.stream = bool(body.get("stream", False))
         mode = config.mode
@@ -264,6 +284,7 @@ class Dispatch:
             self.trace.prefill_ended(error)
 
     async def _prefill_leg(self) -> dict[str, Any]:
+        assert self.p is not None  # no P leg in a degraded attempt
         p = self.p.backend
         traceparent = self.trace.prefill_started(p.url)
         body = legs.prefill_body(
@@ -286,7 +307,7 @@ class Dispatch:
         if self.config.mode is Mode.PUSH and isinstance(params, dict) and "pushkv_error" in params:
             # pushkv's P computed the prompt but refused the transfer: D would wait for KV
             # that never comes. Fail the request now.
-            p.load.record_leg_failure(suspect=False)
+            p.record_leg_failure(suspect=False)
             raise UpstreamError(
                 502,
                 f"{p.name} refused transfer {self.transfer_id}: {params['pushkv_error']}",
@@ -297,15 +318,18 @@ class Dispatch:
     def _decode(self, prefill_params: dict[str, Any] | None = None) -> Awaitable[httpx.Response]:
         d = self.d.backend
         traceparent = self.trace.decode_started(d.url)
-        body = legs.decode_body(
-            self.config.mode,
-            self.body,
-            transfer_id=self.transfer_id,
-            traceparent=traceparent,
-            request_id=self.request_id,
-            coords=self.p.backend.coords,
-            prefill_params=prefill_params,
-        )
+        if self.p is None:
+            body = self.body  # degraded: D serves the whole request
+        else:
+            body = legs.decode_body(
+                self.config.mode,
+                self.body,
+                transfer_id=self.transfer_id,
+                traceparent=traceparent,
+                request_id=self.request_id,
+                coords=self.coords,
+                prefill_params=prefill_params,
+            )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
         return open_stream(
             d, self.endpoint.path, body, headers, f"decode transfer_id={self.transfer_id}"
@@ -326,14 +350,17 @@ class Dispatch:
             "router dispatch request_id=%s transfer_id=%s P=%s D=%s",
             self.request_id,
             self.transfer_id,
-            self.p.backend.name,
+            self.p.backend.name if self.p is not None else "none (degraded)",
             self.d.backend.name,
         )
-        if self.config.mode is Mode.PULL:
+        if self.p is None:
+            watch = PrefillWatch(None)
+            decode = self._decode()
+        elif self.config.mode is Mode.PULL:
             try:
                 answer = await self._prefill()
             except UpstreamError as err:
-                return await _send_error(send, err, self.request_id)
+                return await self._fail_early(send, err, Role.PREFILL)
             finally:
                 self.p.release()
             params = answer.get("kv_transfer_params")
@@ -343,18 +370,19 @@ class Dispatch:
                     f"{self.p.backend.name} returned no kv_transfer_params",
                     backend=self.p.backend.name,
                 )
-                self.p.backend.load.record_leg_failure(suspect=True)
-                return await _send_error(send, no_params, self.request_id)
+                self.p.backend.record_leg_failure(suspect=True)
+                return await self._fail_early(send, no_params, Role.PREFILL)
             params = legs.apply_pull_overrides(params, self.p.backend.override)
             watch = PrefillWatch(None)
             decode = self._decode(params)
         else:
+            p = self.p
             # Both legs leave now. The P leg is a task so that D's relay can watch it. P's
             # prefill is the long pole (D only has to register before it ends), so its task
             # gets the loop first and sends its request before D's is built; under load the
             # task would otherwise queue behind D's send (a late prefill_leg in the traces).
             self._p_task = asyncio.create_task(self._prefill(), name=f"prefill-{self.transfer_id}")
-            self._p_task.add_done_callback(lambda _t: self.p.release())
+            self._p_task.add_done_callback(lambda _t: p.release())
             watch = PrefillWatch(self._p_task)
             await asyncio.sleep(0)
             decode = self._decode()
@@ -363,11 +391,11 @@ class Dispatch:
         except UpstreamError as err:
             self._d_error = err.message
             self._cancel_prefill()
-            return await _send_error(send, err, self.request_id)
+            return await self._fail_early(send, err, Role.DECODE)
         if isinstance(opened, _PrefillFailed):
             assert watch.failure is not None
             self._d_error = "prefill leg failed"
-            return await _send_error(send, watch.failure, self.request_id)
+            return await self._fail_early(send, watch.failure, Role.PREFILL)
         self._d_resp = opened
         if self.stream:
             await self._relay_stream(send, opened, watch)
@@ -387,7 +415,7 @@ class Dispatch:
         if isinstance(body, _PrefillFailed):
             assert watch.failure is not None
             self._d_error = "prefill leg failed"
-            return await _send_error(send, watch.failure, self.request_id)
+            return await self._fail_early(send, watch.failure, Role.PREFILL)
         self.trace.decode_bytes()
         self._d_done = True
         await send(self._response_start(resp))
@@ -395,21 +423,28 @@ class Dispatch:
         self.trace.sent(body, stream=False)
 
     async def _relay_stream(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
-        await send(self._response_start(resp))
+        # The client's answer starts with D's first chunk, not D's headers: until then a
+        # failure of either leg is still a plain error answer, or another attempt.
+        started = False
         chunks = resp.aiter_bytes()
         tail = b"\n\n"
         while True:
             try:
                 chunk = await watch.run(anext(chunks, None))
             except httpx.HTTPError as exc:
-                return await self._decode_failed(send, exc, started=True, tail=tail)
+                return await self._decode_failed(send, exc, started=started, tail=tail)
             if isinstance(chunk, _PrefillFailed):
                 assert watch.failure is not None
                 self._d_error = "prefill leg failed"
+                if not started:
+                    return await self._fail_early(send, watch.failure, Role.PREFILL)
                 return await _send_body(send, _event_break(tail) + watch.failure.sse())
             if chunk is None:
                 break
             if chunk:
+                if not started:
+                    started = True
+                    await send(self._response_start(resp))
                 self.trace.decode_bytes()
                 tail = (tail + chunk)[-len(SSE_DONE) :]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -417,6 +452,8 @@ class Dispatch:
                 if tail == SSE_DONE:
                     self._d_done = True  # the client has it all and may hang up now
         self._d_done = True
+        if not started:
+            await send(self._response_start(resp))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _decode_failed(
@@ -426,13 +463,28 @@ class Dispatch:
         d = self.d.backend
         err = from_exception(exc, d, f"decode transfer_id={self.transfer_id}")
         self._d_error = err.message
-        d.load.record_leg_failure(suspect=True)
+        d.record_leg_failure(suspect=True)
         logger.warning("router decode leg failed: %s", err.message)
         self._cancel_prefill()  # nobody will consume P's KV now
         if started:
             await _send_body(send, _event_break(tail) + err.sse())
         else:
-            await _send_error(send, err, self.request_id)
+            await self._fail_early(send, err, Role.DECODE)
+
+    async def _fail_early(self, send: Send, err: UpstreamError, role: Role) -> None:
+        """A leg failed before the client got a byte: leave it to the next attempt when the
+        backend is at fault (not a 4xx refusal) and one is allowed; else answer the error."""
+        if self._may_retry and err.suspect:
+            self.retry = Retry(role, err)
+            return
+        await send_error(send, err, self.request_id)
+
+    async def settled(self) -> None:
+        """Wait for a cancelled P leg to finish unwinding, so its span ends before the next
+        attempt starts its own (cancellation only closes the connection: quick)."""
+        task = self._p_task
+        if task is not None and not task.done():
+            await asyncio.wait([task])
 
     # -- cleanup -----------------------------------------------------------------------
 
@@ -450,7 +502,7 @@ class Dispatch:
                 task.add_done_callback(self._background.discard)
             else:
                 task.cancel()
-        if self.config.mode is Mode.PULL:
+        if self.config.mode is Mode.PULL and self.p is not None:
             self.p.release()
         await _close(self._d_resp)
         self.d.release()
@@ -479,7 +531,7 @@ def _start(status: int, content_type: str, request_id: str) -> dict[str, Any]:
     }
 
 
-async def _send_error(send: Send, err: UpstreamError, request_id: str) -> None:
+async def send_error(send: Send, err: UpstreamError, request_id: str) -> None:
     body, ctype = err.http_body()
     await send(_start(err.status, ctype, request_id))
     await _send_body(send, body)

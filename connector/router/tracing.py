@@ -78,6 +78,7 @@ class RequestTrace:
         decode_url: str | None,
         outstanding: int | None,
         error: str | None = None,
+        reason: str = "least outstanding among healthy",
     ) -> None:
         if self._root is None:
             return
@@ -92,12 +93,31 @@ class RequestTrace:
                 Attr.PREFILL_URL: prefill_url,
                 Attr.DECODE_URL: decode_url,
                 Attr.PENDING: outstanding,
-                Attr.ROUTE_REASON: None if error else "least outstanding among healthy",
+                Attr.ROUTE_REASON: None if error else reason,
             },
         )
         if decode_url:
             self._root.set_attributes(
                 {Attr.DECODE_URL.value: decode_url, Attr.PREFILL_URL.value: prefill_url or ""}
+            )
+
+    def attempt_failed(self, attempt: int, role: str, reason: str) -> None:
+        """One attempt's leg failed before the client got a byte; another attempt follows."""
+        if self._root is not None:
+            self._root.add_event(
+                Event.ATTEMPT_FAILED.value,
+                attributes={
+                    Attr.ATTEMPT.value: attempt,
+                    Attr.FAILED_ROLE.value: role,
+                    Attr.REASON.value: reason,
+                },
+            )
+
+    def attempted(self, attempts: int, *, degraded: bool) -> None:
+        """How many attempts the request took, and whether the last one was D alone."""
+        if self._root is not None:
+            self._root.set_attributes(
+                {Attr.ATTEMPTS.value: attempts, Attr.DEGRADED.value: degraded}
             )
 
     # -- legs: each returns the traceparent its request carries --------------------------

@@ -144,7 +144,13 @@ async def test_stats(cluster: MakeCluster) -> None:
     await c.client.post("/v1/completions", json={"model": "m"})  # 400
     s = (await c.client.get("/router/stats")).json()
     assert s["mode"] == "push"
-    assert s["requests"] == {"total": 2, "by_status": {"200": 1, "400": 1}}
+    assert s["requests"] == {
+        "total": 2,
+        "by_status": {"200": 1, "400": 1},
+        "retried": {"total": 0},
+        "degraded": 0,
+        "router_errors": 0,
+    }
     assert [d["dispatched"] for d in s["decode"]] == [1, 0]
     assert s["prefill"][0]["health"] == "healthy" and s["prefill"][0]["ready"] is True
     assert {d["outstanding"] for d in s["decode"] + s["prefill"]} == {0}

@@ -67,7 +67,7 @@ async def test_no_healthy_backend_is_503(cluster: MakeCluster, down: str) -> Non
         for m in ps if down == "prefill" else ds:
             m.healthy = False
 
-    c = await cluster(setup=setup)
+    c = await cluster(setup=setup, degraded=False)  # degraded mode would serve without P
     r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 503
     assert f"no healthy {down} server" in r.json()["error"]["message"]
@@ -77,7 +77,7 @@ async def test_no_healthy_backend_is_503(cluster: MakeCluster, down: str) -> Non
 
 
 async def test_unreachable_d_is_502_naming_it_and_marks_it_suspect(cluster: MakeCluster) -> None:
-    c = await cluster(1, 2)
+    c = await cluster(1, 2, max_attempts=1)  # no retry on d1
     await c.d_servers[0].stop()  # healthy at the last check, gone now
     r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 502

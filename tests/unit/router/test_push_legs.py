@@ -164,7 +164,7 @@ async def test_p_that_comes_back_is_probed_again(cluster: MakeCluster) -> None:
     def down(ps: list, _ds: list) -> None:
         ps[0].healthy = False
 
-    c = await cluster(setup=down)
+    c = await cluster(setup=down, degraded=False)  # 503s while P is away
     assert c.p[0].probes == []  # not probed while down
     r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
@@ -190,7 +190,7 @@ async def test_bad_probe_answer_keeps_p_out(cluster: MakeCluster) -> None:
     def no_coords(ps: list, _ds: list) -> None:
         ps[0].coords = None  # an old connector: no kv_transfer_params.pushkv
 
-    c = await cluster(setup=no_coords)
+    c = await cluster(setup=no_coords, degraded=False)
     r = await c.client.get("/health")
     assert r.status_code == 503 and "not probed" in r.json()["reason"]
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 503
