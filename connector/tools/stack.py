@@ -1,5 +1,8 @@
 """Process management for real vLLM servers: ``make demo``, the end-to-end tests, the benchmarks.
 
+Over 400 lines, one job: starting, watching and stopping child servers (vLLM's command line
+included); splitting it would separate the command line from the process that runs it.
+
 Owns: the vLLM command line and child environment we run with (``VllmServer``), starting a
 server in its own session, waiting for ``/health``, stopping it by process group (``ChildProcess``,
 which ``pdstack.RouterProcess`` shares), and ``Stack``, which starts several services
