@@ -6,7 +6,7 @@ dicts or environment variables for pushkv settings. Pure: msgspec and the pure p
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -68,6 +68,12 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a result is in, so it never delays one. 0 turns it off.
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = 120.0
+    # GPU only: how P moves KV into a D on its own node. "auto" picks per transfer between
+    # NIXL descriptors and a copy kernel into D's KV mapped through CUDA IPC
+    # (connector/core/xfer_path.py; scattered blocks move at ~99 % of the contiguous rate
+    # instead of ~1 %, ``python -m bench.gpu_paths``); "direct" always uses descriptors;
+    # "ipc" copies whenever D's KV can be mapped (benchmarks, tests).
+    xfer_paths: Literal["auto", "direct", "ipc"] = "auto"
 
     def idle_poll_s(self, doorbell: bool) -> float:
         """The transfer thread's idle poll: long with a doorbell, short without."""

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import parse_config
+from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
 
@@ -104,12 +105,13 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        # [blocks, heads, tokens, K|V]: one contiguous page per (layer, block), so a
-        # block transfers as one descriptor and contiguous runs merge.
+        # GPU: block-outermost, one page per block across all layers (merged runs); CPU
+        # attention takes only [blocks, heads, tokens, K|V] per layer. connector/kv_tensors.py.
         model = getattr(vllm_config, "model_config", None)
         if model is not None and model.use_mla:
             raise NotImplementedError("pushkv does not support MLA models yet")
-        return "LBHNC"
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        return preferred_layout(str(device))
 
     # ================================================================ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

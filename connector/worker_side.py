@@ -12,7 +12,6 @@ transfer thread or takes its results.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from typing import Any
@@ -21,9 +20,9 @@ from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.core.errors import LayoutError
 from connector.core.heads import head_range
-from connector.core.layout import KVLayout, Region
 from connector.core.messages import PeerAddr
 from connector.kv_params import agent_name
+from connector.kv_tensors import block_row_views, describe_kv_caches
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
 from connector.transfer.peers import Peers
@@ -41,73 +40,6 @@ from connector.transfer.topology import RankInfo, Topology
 from connector.transport.ports import free_port
 
 logger = logging.getLogger(__name__)
-
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-
-
-def _layer_key(name: str) -> tuple[int, str]:
-    m = _LAYER_INDEX.search(name)
-    return (int(m.group(1)) if m else 1 << 30, name)
-
-
-def describe_kv_caches(
-    kv_caches: dict[str, Any], group_of: dict[str, int], heads: tuple[int, int]
-) -> KVLayout:
-    """vLLM's per-layer KV tensors, shaped [blocks, heads, tokens, content] (LBHNC), as a
-    layout: one region per layer, one head's slice of a block contiguous.
-
-    On CPU the block interior is private to the attention kernel: CPU_ATTN views a head's
-    slice as K of every token then V, and its AMX kernels tile them (copying only some of a
-    block's tokens corrupts its KV; whole blocks arrive intact). So CPU layouts are
-    ``opaque_blocks``: whole blocks of a head move, never token ranges inside one.
-    """
-    if not kv_caches:
-        raise LayoutError("no KV cache tensors to register")
-    names = sorted(kv_caches, key=_layer_key)
-    first = kv_caches[names[0]]
-    if first.dim() != 4 or not first[0].is_contiguous():
-        raise LayoutError(
-            f"{names[0]}: KV cache of shape {tuple(first.shape)} strides "
-            f"{first.stride()} is not [blocks, heads, tokens, content] with "
-            "contiguous blocks (pushkv needs the LBHNC layout)"
-        )
-    num_blocks, num_heads, block_size, content = (int(x) for x in first.shape)
-    if num_heads != heads[1] - heads[0]:
-        raise LayoutError(f"KV cache holds {num_heads} heads, this rank should hold {heads}")
-    elt = first.element_size()
-    regions = []
-    for i, name in enumerate(names):
-        t = kv_caches[name]
-        if (
-            t.shape != first.shape
-            or t.stride() != first.stride()
-            or t.dtype != first.dtype
-            or t.device != first.device
-        ):
-            raise LayoutError(f"{name}: KV cache differs from {names[0]}")
-        regions.append(
-            Region(
-                layer=i,
-                group=group_of.get(name, 0),
-                part=0,
-                base_addr=int(t.data_ptr()),
-                block_stride=int(t.stride(0) * elt),
-            )
-        )
-    cuda = first.device.type == "cuda"
-    layout = KVLayout(
-        block_size=block_size,
-        num_blocks=num_blocks,
-        heads=heads,
-        token_bytes=content * elt,
-        order="HND",
-        regions=tuple(regions),
-        device_id=int(first.device.index or 0) if cuda else 0,
-        mem_type="VRAM" if cuda else "DRAM",
-        opaque_blocks=not cuda,
-    )
-    layout.validate()
-    return layout
 
 
 class WorkerSide:
@@ -163,6 +95,7 @@ class WorkerSide:
             self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
         )
         spans = self._spans()
+        paths, offer = self._gpu_paths(kv_caches, layout, me)
         sender = receiver = None
         if self.is_producer:
             sender = Sender(
@@ -173,9 +106,12 @@ class WorkerSide:
                 peers,
                 self.cfg.sender_policy(),
                 spans=spans,
+                paths=paths,
             )
         if self.is_consumer:
-            receiver = Receiver(me, layout, peers, self.cfg.receiver_policy(), spans=spans)
+            receiver = Receiver(
+                me, layout, peers, self.cfg.receiver_policy(), spans=spans, offer=offer
+            )
         self.thread = TransferThread(
             self._transport,
             peers,
@@ -196,6 +132,29 @@ class WorkerSide:
             host,
             port,
         )
+
+    def _gpu_paths(self, kv_caches: dict[str, Any], layout: Any, me: RankInfo) -> tuple[Any, Any]:
+        """GPU: P's path driver and D's IPC offer (connector/transfer/gpu/paths.py); neither
+        on CPU or with ``xfer_paths: direct``, where every transfer goes direct."""
+        if layout.mem_type != "VRAM" or self.cfg.xfer_paths == "direct":
+            return None, None
+        from connector.transfer.gpu.paths import GpuPaths, make_offer
+        from connector.transfer.gpu.rows import RowTable
+
+        try:
+            rows = RowTable.of(block_row_views(kv_caches))
+        except LayoutError as exc:
+            logger.warning(
+                "KV blocks are not contiguous rows (%s): every transfer goes direct", exc
+            )
+            return None, None
+        paths = (
+            GpuPaths(self._transport, layout, rows, mode=self.cfg.xfer_paths)
+            if self.is_producer
+            else None
+        )
+        offer = make_offer(rows, me.addr, me.rank) if self.is_consumer else None
+        return paths, offer
 
     def _spans(self) -> Any:
         tracer = engine_tracer(self.engine_id, producer=self.is_producer)

@@ -96,6 +96,9 @@ class Attr(str, Enum):
     DESCRIPTORS = "pushkv.descriptors"  # NIXL descriptors, after merging contiguous runs
     BYTES = "pushkv.bytes"
     GBPS = "pushkv.gbps"
+    XFER_PATH = "pushkv.xfer.path"  # "direct" | "ipc" | "staged" (per target, joined by ",")
+    XFER_REASON = "pushkv.xfer.reason"  # why that path (connector/core/xfer_path.py)
+    XFER_COPY_MS = "pushkv.xfer.copy_ms"  # device time of the IPC copy kernel
     PROMPT_TOKENS = "pushkv.prompt_tokens"
     FIRST_TOKEN_INDEX = "pushkv.first_token"  # tokens D already held (prefix hit)
     OUTCOME = "pushkv.outcome"  # "ok" | a FailReason value | "cancelled" | "error"

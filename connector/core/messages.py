@@ -28,6 +28,9 @@ MAX_FRAME_BYTES: Final = 512 * 1024
 MAX_BLOCKS_PER_GROUP: Final = 1 << 17
 MAX_GROUPS: Final = 16
 MAX_HEARTBEAT_IDS: Final = 4096
+# A CUDA IPC export names each allocation (~200 bytes) and each region (~20 bytes): a
+# 128-layer model with one allocation per layer stays under 32 KiB.
+MAX_IPC_EXPORT_BYTES: Final = 256 * 1024
 
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\w.:@-]+$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -134,7 +137,23 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
         return (self.transfer_id, *self.more_ids)
 
 
-Message = Register | Completion | Fail | Cancel | Heartbeat
+class IpcOffer(_Msg, tag="ipc_offer", frozen=True):
+    """D→P, before D's first registration with a P rank, where D's KV is in GPU memory: a
+    process on D's node may map D's KV cache (CUDA IPC) and copy into it directly. P takes
+    it only if it runs on ``node``, in another process, and sees the GPU ``device_uuid``;
+    otherwise it writes through the transport as always. ``transfer_id``: the transfer
+    whose registration follows (for logs)."""
+
+    d_rank: Rank
+    d_addr: PeerAddr
+    node: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]  # host identity
+    pid: Annotated[int, msgspec.Meta(ge=0)]
+    device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
+    # connector.transfer.gpu.ipc.IpcExport as msgpack: opaque here, decoded where torch is.
+    export: Annotated[bytes, msgspec.Meta(max_length=MAX_IPC_EXPORT_BYTES)]
+
+
+Message = Register | Completion | Fail | Cancel | Heartbeat | IpcOffer
 
 
 class _Header(msgspec.Struct):

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PeerDisconnected, TransportError
@@ -49,13 +51,18 @@ class Receiver:
         policy: ReceiverPolicy = ReceiverPolicy(),
         clock: Callable[[], int] = time.monotonic_ns,
         spans: Any = NO_SPANS,
+        offer: m.IpcOffer | None = None,
     ) -> None:
+        """``offer``: D's KV for mapping (GPU, ``connector.transfer.gpu.paths.make_offer``),
+        sent to each P rank before the first registration; P may ignore it."""
         layout.validate()
         self._clock = clock
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
         self.me, self.layout, self.peers, self.policy = me, layout, peers, policy
         self.table = ReceiverTable(policy)
         self._expected: dict[str, ev.Expected] = {}
+        self._offer = offer
+        self._offered: set[str] = set()  # P agents that have our offer
         self.finished: list[Received] = []
         self.counters: Counter[str] = Counter()
 
@@ -155,6 +162,12 @@ class Receiver:
 
     def _send_register(self, a: ev.SendRegister, now_ns: int) -> None:
         exp = self._expected[a.transfer_id]
+        agent = a.source.addr.agent
+        if self._offer is not None and agent not in self._offered:
+            # Before the registration, on the same ordered path: P has it when it matches.
+            self._offered.add(agent)
+            offer = msgspec.structs.replace(self._offer, transfer_id=a.transfer_id)
+            self.peers.send(a.source.addr, m.encode(offer), now_ns, self._offer_failed(agent))
         frame = m.encode(
             m.Register(
                 transfer_id=a.transfer_id,
@@ -194,6 +207,13 @@ class Receiver:
 
         return fail
 
+    def _offer_failed(self, agent: str) -> Callable[[TransportError], None]:
+        def fail(exc: TransportError) -> None:
+            self._offered.discard(agent)  # offer again with the next registration
+            self._count_failure(exc)
+
+        return fail
+
     def _count_failure(self, exc: TransportError) -> None:
         self.counters["send_failed"] += 1
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
@@ -202,6 +222,7 @@ class Receiver:
         def fail(exc: TransportError) -> None:
             self.counters["heartbeat_failed"] += 1
             if isinstance(exc, PeerDisconnected):
+                self._offered.discard(addr.agent)
                 now = self._clock()
                 self._run(self.table.handle(ev.PeerLost(addr.agent), now), now)
 

@@ -22,7 +22,9 @@ from connector.core.layout import KVLayout
 from connector.core.plan import Pieces, plan_transfer
 from connector.core.sender_table import SenderTable
 from connector.core.state import SenderPolicy
+from connector.core.xfer_path import PathChoice, XferPath
 from connector.transfer.doorbell import DONE, WRITE, write_key
+from connector.transfer.paths import Paths, PathWrite
 from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, PrefillNote
 from connector.transfer.topology import RankInfo, Topology
@@ -50,6 +52,9 @@ class WriteReport:
     blocks: int = 0
     regions: int = 0  # KV regions (layer x part) of the layout the transfer spans
     targets: tuple[str, ...] = ()
+    path: str = XferPath.DIRECT.value  # connector.core.xfer_path, per target joined by ","
+    path_reason: str = ""
+    stage_ms: dict[str, float] = field(default_factory=dict)  # device time per stage
 
 
 @dataclass
@@ -57,6 +62,7 @@ class _Write:
     report: WriteReport
     unposted: int  # targets still waiting for their peer's metadata
     handles: list[WriteHandle] = field(default_factory=list)
+    others: list[PathWrite] = field(default_factory=list)  # targets on a non-direct path
     failure: m.FailReason | None = None
     detail: str = ""
     aborting: bool = False
@@ -75,7 +81,9 @@ class Sender:
         policy: SenderPolicy = SenderPolicy(),
         on_write_finished: Callable[[WriteReport], None] | None = None,
         spans: Any = NO_SPANS,
+        paths: Paths | None = None,
     ) -> None:
+        """``paths``: the path driver (GPU); None sends every transfer direct."""
         layout.validate()
         self._t, self.me, self.layout, self.topology, self.peers = (
             transport,
@@ -91,6 +99,7 @@ class Sender:
         self._deferred: dict[str, ev.IssueWrite] = {}
         self._on_write_finished = on_write_finished
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
+        self.paths = paths
         self.finished: list[str] = []  # request ids whose blocks go back (finished_sending)
         self.counters: Counter[str] = Counter()
 
@@ -113,7 +122,10 @@ class Sender:
         self._run(self.table.handle(event, now_ns), now_ns)
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
-        if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)) and msg.d_addr.agent != agent:
+        if (
+            isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer))
+            and msg.d_addr.agent != agent
+        ):
             self.counters["sender_mismatch"] += 1
             logger.warning(
                 "Dropped %s for %s: sent by %s, claims %s",
@@ -138,6 +150,11 @@ class Sender:
         elif isinstance(msg, m.Heartbeat):
             for tid in msg.transfer_ids():
                 self._run(self.table.handle(ev.HeartbeatSeen(tid), now_ns), now_ns)
+        elif isinstance(msg, m.IpcOffer):
+            if self.paths is None:
+                self.counters["ipc_offers_ignored"] += 1
+            else:
+                self.paths.offered(agent, msg)
         else:
             self.counters[f"unexpected_{type(msg).__name__}"] += 1
 
@@ -242,7 +259,8 @@ class Sender:
                     num_tokens=reg.num_tokens,
                     heads=heads,
                 )
-                plans.append((reg, pieces))
+                choice = self.paths.choose(reg, a.block_ids, pieces) if self.paths else None
+                plans.append((reg, pieces, choice))
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
             self._run(
@@ -254,20 +272,41 @@ class Sender:
             return
         report.prepared_ns = time.time_ns()
         w = self._writes[a.transfer_id] = _Write(report, unposted=len(plans))
-        for reg, pieces in plans:
+        chosen = [c for _, _, c in plans if c is not None]
+        if chosen:
+            report.path = ",".join(sorted({c.path.value for c in chosen}))
+            report.path_reason = "; ".join(sorted({c.reason for c in chosen}))
+        for reg, pieces, choice in plans:
             report.bytes_total += pieces.bytes_total
-            report.descriptors += pieces.count
+            if choice is None or choice.path is XferPath.DIRECT:
+                report.descriptors += pieces.count
             self.peers.when_ready(
                 reg.d_addr,
                 now_ns,
-                functools.partial(self._post_one, w, reg, pieces),
+                functools.partial(self._post_one, w, reg, pieces, choice, a.block_ids),
                 lambda exc: self._unposted_failed(w, m.FailReason.HANDSHAKE, exc),
             )
         self._poll_write(a.transfer_id, now_ns)
 
-    def _post_one(self, w: _Write, reg: m.Register, pieces: Pieces) -> None:
+    def _post_one(
+        self,
+        w: _Write,
+        reg: m.Register,
+        pieces: Pieces,
+        choice: PathChoice | None,
+        src_blocks: ev.BlockTable,
+    ) -> None:
         w.unposted -= 1
         if w.aborting:
+            return
+        if choice is not None and choice.path is not XferPath.DIRECT and pieces.count:
+            assert self.paths is not None
+            notif = self._completion(w.report.transfer_id, pieces.bytes_total, 0)
+            try:
+                w.report.posted_ns = w.report.posted_ns or time.time_ns()
+                w.others.append(self.paths.start(choice, reg, src_blocks, notif))
+            except (TransportError, LayoutError) as exc:
+                self._note_failure(w, m.FailReason.POST_ERROR, TransportError(str(exc)))
             return
         notif = self._completion(w.report.transfer_id, pieces.bytes_total, pieces.count)
         try:
@@ -285,7 +324,7 @@ class Sender:
                 dst_mem=reg.layout.mem_type,
             )
         except TransportError as exc:
-            self.peers.lost(reg.d_addr.agent, exc)
+            self._lost(reg.d_addr.agent, exc)
             self._note_failure(w, m.FailReason.POST_ERROR, exc)
             return
         w.report.posted_ns = w.report.posted_ns or handle.posted_ns
@@ -319,7 +358,7 @@ class Sender:
                 # DONE: NIXL has just sent the completion; D polls slowly until it comes.
                 self.peers.ring(h.peer, DONE + write_key(self.me.rank, w.report.transfer_id))
             except TransportError as exc:
-                self.peers.lost(h.peer, exc)
+                self._lost(h.peer, exc)
                 reason = (
                     m.FailReason.PEER_LOST
                     if isinstance(exc, PeerDisconnected)
@@ -328,7 +367,8 @@ class Sender:
                 self._note_failure(w, reason, exc)
             self._release(h)
         w.handles = live
-        if live or w.unposted:
+        w.others = [pw for pw in w.others if not self._pump(w, pw)]
+        if live or w.others or w.unposted:
             return
         del self._writes[tid]
         w.report.done_ns = time.time_ns()
@@ -338,6 +378,25 @@ class Sender:
         self.spans.write_finished(w.report)
         event = ev.WriteDone(tid) if w.failure is None else ev.WriteFailed(tid, w.failure, w.detail)
         self._run(self.table.handle(event, now_ns), now_ns)
+
+    def _lost(self, agent: str, exc: TransportError) -> None:
+        self.peers.lost(agent, exc)
+        if self.paths is not None and isinstance(exc, PeerDisconnected):
+            self.paths.forget(agent)  # it may come back under the same name, remapped
+
+    def _pump(self, w: _Write, pw: PathWrite) -> bool:
+        """Move a non-direct write on; True once it has ended (well or not)."""
+        try:
+            if not pw.pump():
+                return False
+        except TransportError as exc:
+            self._lost(pw.peer, exc)
+            self._note_failure(w, m.FailReason.WRITE_ERROR, exc)
+            return True
+        w.report.stage_ms.update(pw.stage_ms())
+        if not w.aborting:
+            self.peers.ring(pw.peer)  # its completion went out as a message
+        return True
 
     def _release(self, h: WriteHandle) -> None:
         try:
@@ -361,6 +420,8 @@ class Sender:
                 logger.warning("Cannot cancel WRITE of %s yet: %s", tid, exc)
                 still.append(h)  # keep polling: the blocks stay held until it ends
         w.handles = still
+        for pw in w.others:
+            pw.withhold()  # a device copy cannot be recalled: wait for it, say nothing
         self._poll_write(tid, now_ns)
 
 

@@ -206,6 +206,9 @@ class TransferSpans:
                 Attr.DESCRIPTORS: report.descriptors,
                 Attr.GBPS: gbps,
                 Attr.PEER: ",".join(report.targets),
+                Attr.XFER_PATH: report.path,
+                Attr.XFER_REASON: report.path_reason or None,
+                Attr.XFER_COPY_MS: report.stage_ms.get("copy"),
             },
             error=error,
         )

@@ -329,7 +329,7 @@ class TransferThread:
         except RemoteProtocolError as exc:
             self._drop("malformed_notifs", "Dropped a notification from %s: %s", agent, exc)
             return
-        if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat)):
+        if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer)):
             target: Sender | Receiver | None = self.sender
         else:
             target = self.receiver

@@ -87,6 +87,7 @@ LAYERS: tuple[Layer, ...] = (
             "connector.config",
             "connector.kv_params",
             "connector.metadata",
+            "connector.kv_tensors",
             "connector.scheduler_side",
             "connector.worker_side",
             "connector.plugin",

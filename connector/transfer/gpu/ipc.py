@@ -86,8 +86,9 @@ def _share(st: Any) -> CudaStorage | HostStorage:
     raise LayoutError(f"cannot share a {st.device.type} storage")
 
 
-def import_rows(export: IpcExport) -> RowTable:
-    """P: map D's regions (same node). The returned tensors keep the mappings open."""
+def import_rows(export: IpcExport, device: int | None = None) -> RowTable:
+    """P: map D's regions (same node). ``device``: the GPU's index in this process, where
+    it differs from D's (CUDA_VISIBLE_DEVICES). The returned tensors keep the mappings open."""
     if export.version != 1:
         raise LayoutError(f"IpcExport version {export.version}")
     mapped = []
@@ -96,7 +97,7 @@ def import_rows(export: IpcExport) -> RowTable:
             torch.cuda._lazy_init()
             mapped.append(
                 torch.UntypedStorage._new_shared_cuda(
-                    s.device,
+                    s.device if device is None else device,
                     s.handle,
                     s.size_bytes,
                     s.offset_bytes,
@@ -148,10 +149,12 @@ class IpcPush:
             copy_rows(src, src_ids, dst, dst_ids, backend=backend)
         self.end = lane.record()
         self.sent = False
+        self.quiet = False  # aborted: finish the copy, send nothing
 
     def pump(self) -> bool:
         if not self.sent and self.end.done():
-            self._t.send_notif(self.peer, self.notif)
+            if not self.quiet:
+                self._t.send_notif(self.peer, self.notif)
             self.sent = True
         return self.sent
 

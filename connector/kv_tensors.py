@@ -1,0 +1,135 @@
+"""vLLM's KV cache tensors as pushkv sees them: a ``KVLayout`` for the descriptor planner,
+block rows for the GPU paths, and the layout pushkv asks vLLM for.
+
+Owns: ``describe_kv_caches``, ``block_row_views`` and ``preferred_layout``. vLLM 0.32 hands
+``register_kv_caches`` one view per attention layer of logical shape [B, H, N, C] (blocks,
+KV heads, tokens, K|V packed per token), whose strides follow the resolved
+``KVCacheLayout`` (``vllm/v1/kv_cache_interface.py``, ``create_kv_cache_views``): LBHNC gives
+each layer its own contiguous pages; BLHNC (block-outermost) puts a block's pages of every
+layer side by side, so a run of blocks is one run of memory and the planner merges the
+layers of a block into one descriptor. Reads tensors' shapes and strides (torch), never
+imports vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from connector.core.errors import LayoutError
+from connector.core.layout import KVLayout, Region
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+# pushkv's wish for vLLM's resolve_kv_cache_layout. On GPUs block-outermost: a block of all
+# layers is one page, 1 descriptor per block instead of one per (layer, block)
+# (``python -m bench.gpu_push``). vLLM drops a wish the attention backend cannot serve
+# (with a warning) and picks the backend's first choice, which describe_kv_caches reads
+# just as well. CPU attention serves only LBHNC.
+GPU_LAYOUT = "BLHNC"
+CPU_LAYOUT = "LBHNC"
+
+
+def preferred_layout(device_type: str) -> str:
+    return GPU_LAYOUT if device_type == "cuda" else CPU_LAYOUT
+
+
+def layer_order(kv_caches: dict[str, Any]) -> list[str]:
+    """Layer names in model order (``model.layers.10`` after ``model.layers.9``)."""
+
+    def key(name: str) -> tuple[int, str]:
+        m = _LAYER_INDEX.search(name)
+        return (int(m.group(1)) if m else 1 << 30, name)
+
+    return sorted(kv_caches, key=key)
+
+
+def describe_kv_caches(
+    kv_caches: dict[str, Any],
+    group_of: dict[str, int],
+    heads: tuple[int, int],
+    opaque: bool | None = None,
+) -> KVLayout:
+    """vLLM's per-layer KV views, logically [blocks, heads, tokens, content], as a layout: one
+    region per layer, strides read from the tensors (any layout whose content is contiguous:
+    LBHNC, LBNHC, BLHNC, BLNHC).
+
+    On CPU the block interior is private to the attention kernel: CPU_ATTN views a head's
+    slice as K of every token then V, and its AMX kernels tile them (copying only some of a
+    block's tokens corrupts its KV; whole blocks arrive intact). So CPU layouts are
+    ``opaque_blocks``: whole blocks of a head move, never token ranges inside one.
+    ``opaque`` overrides that (tests of the GPU semantics on CPU tensors).
+    """
+    if not kv_caches:
+        raise LayoutError("no KV cache tensors to register")
+    names = layer_order(kv_caches)
+    first = kv_caches[names[0]]
+    cuda = first.device.type == "cuda"
+    if first.dim() != 4 or first.stride(3) != 1:
+        raise LayoutError(
+            f"{names[0]}: KV cache of shape {tuple(first.shape)} strides "
+            f"{first.stride()} is not [blocks, heads, tokens, content] with contiguous content"
+        )
+    num_blocks, num_heads, block_size, content = (int(x) for x in first.shape)
+    if num_heads != heads[1] - heads[0]:
+        raise LayoutError(f"KV cache holds {num_heads} heads, this rank should hold {heads}")
+    elt = first.element_size()
+    token_bytes = content * elt
+    head_stride, token_stride = first.stride(1) * elt, first.stride(2) * elt
+    order: Literal["HND", "NHD"] = "HND" if head_stride >= token_stride else "NHD"
+    regions = []
+    for i, name in enumerate(names):
+        t = kv_caches[name]
+        if (
+            t.shape != first.shape
+            or t.stride() != first.stride()
+            or t.dtype != first.dtype
+            or t.device != first.device
+        ):
+            raise LayoutError(f"{name}: KV cache differs from {names[0]}")
+        regions.append(
+            Region(
+                layer=i,
+                group=group_of.get(name, 0),
+                part=0,
+                base_addr=int(t.data_ptr()),
+                block_stride=int(t.stride(0) * elt),
+            )
+        )
+    derived = KVLayout(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        heads=heads,
+        token_bytes=token_bytes,
+        order=order,
+        regions=tuple(regions),
+        device_id=int(first.device.index or 0) if cuda else 0,
+        mem_type="VRAM" if cuda else "DRAM",
+        opaque_blocks=not cuda if opaque is None else opaque,
+    )
+    # Strides the order implies travel as 0 (the common case, a smaller registration); a
+    # singleton dim's stride means nothing (vLLM canonicalises it), so it takes the default.
+    hs, ts = derived.strides()
+    layout = msgspec.structs.replace(
+        derived,
+        head_stride=0 if head_stride == hs or num_heads == 1 else head_stride,
+        token_stride=0 if token_stride == ts or block_size == 1 else token_stride,
+    )
+    layout.validate()
+    return layout
+
+
+def block_row_views(kv_caches: dict[str, Any]) -> list[Any]:
+    """Each layer's cache as [num_blocks, row_bytes] uint8 rows, in model order, for the GPU
+    paths (``connector.transfer.gpu.rows.RowTable``). A block's [H, N, C] must be one
+    contiguous run in some dim order; LayoutError otherwise."""
+    from connector.transfer.gpu.rows import block_rows
+
+    out = []
+    for name in layer_order(kv_caches):
+        t = kv_caches[name]
+        inner = sorted(range(1, t.dim()), key=lambda d: -t.stride(d))  # physical order
+        out.append(block_rows(t.permute(0, *inner)))
+    return out

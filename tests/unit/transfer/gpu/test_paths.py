@@ -1,0 +1,183 @@
+"""The Sender and Receiver with the GPU path driver, on CPU tensors laid out as vLLM lays them
+out (POSIX shared memory stands in for CUDA IPC): D's offer reaches P before its first
+registration, P picks a path per target and says why on its report, the IPC copy moves every
+byte and D counts its completion; what IPC cannot serve goes direct."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from connector.core import events as ev
+from connector.core import messages as m
+from connector.core.xfer_path import XferPath
+from connector.kv_tensors import block_row_views, describe_kv_caches
+from connector.transfer.gpu.ipc import IpcPush
+from connector.transfer.gpu.lanes import Lane
+from connector.transfer.gpu.paths import GpuPaths, IpcWrite, Mode, make_offer
+from connector.transfer.gpu.rows import RowTable
+from connector.transfer.peers import Peers
+from connector.transfer.receiver import Receiver
+from connector.transfer.sender import Sender, WriteReport
+from connector.transfer.topology import RankInfo, Topology
+from connector.transport.fake import FakeFabric
+
+MS = 1_000_000
+L, B, H, D = 3, 12, 2, 8
+P_ADDR = m.PeerAddr(agent="prefill-0", host="127.0.0.1", port=16000)
+D_ADDR = m.PeerAddr(agent="decode-0", host="127.0.0.1", port=17000)
+
+
+def kv(block_size: int, seed: int | None, layout: str = "BLHNC") -> tuple[torch.Tensor, dict]:
+    from connector.tools.kv_caches import vllm_kv_caches
+
+    raw, views = vllm_kv_caches(L, B, H, block_size, D, layout=layout)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        raw.copy_(torch.randint(1, 256, raw.shape, dtype=torch.uint8, generator=g))
+    return raw, views
+
+
+class GpuPair:
+    """P and D ranks on a fake fabric with vLLM-shaped caches, pumped by hand."""
+
+    def __init__(self, mode: Mode = "ipc", d_block_size: int = 4, node: str | None = None) -> None:
+        self.fabric, self.now = FakeFabric(), 0
+        self.p_raw, self.p_views = kv(4, seed=1)
+        self.d_raw, self.d_views = kv(d_block_size, seed=None)
+        # On CPU, sharing moves a storage into shared memory: export before any address is taken.
+        offer = make_offer(RowTable.of(block_row_views(self.d_views)), D_ADDR, 0)
+        if node is not None:
+            offer = m.IpcOffer(**{**_fields(offer), "node": node})
+        p_layout = describe_kv_caches(self.p_views, {}, (0, H), opaque=False)  # GPU semantics
+        d_layout = describe_kv_caches(self.d_views, {}, (0, H), opaque=False)
+        self.tp = self.fabric.transport(P_ADDR.agent, port=P_ADDR.port)
+        self.td = self.fabric.transport(D_ADDR.agent, port=D_ADDR.port)
+        self.tp.register_memory(p_layout.memory_extents())
+        self.td.register_memory(d_layout.memory_extents())
+        self.paths = GpuPaths(
+            self.tp, p_layout, RowTable.of(block_row_views(self.p_views)), mode=mode
+        )
+        self.reports: list[WriteReport] = []
+        self.sender = Sender(
+            self.tp,
+            RankInfo("prefill", 0, 1, P_ADDR),
+            p_layout,
+            Topology(H, 1),
+            Peers(self.tp, 50 * MS),
+            on_write_finished=self.reports.append,
+            paths=self.paths,
+        )
+        self.receiver = Receiver(
+            RankInfo("decode", 0, 1, D_ADDR),
+            d_layout,
+            Peers(self.td, 50 * MS),
+            clock=lambda: self.now,
+            offer=offer,
+        )
+        self.seen: list[str] = []  # message types P received
+
+    def transfer(self, tid: str, p_blocks: tuple[int, ...], d_blocks: tuple[int, ...], n: int):
+        src = ev.Source(0, P_ADDR)
+        self.receiver.on_event(ev.Expected(tid, f"d-{tid}", (src,), (d_blocks,), 0, n), self.now)
+        self.sender.on_event(ev.PrefillDone(tid, f"p-{tid}", (p_blocks,), n), self.now)
+        for _ in range(20):
+            self.now += MS
+            for agent, frame in self.tp.get_notifs():
+                msg = m.decode(frame)
+                self.seen.append(type(msg).__name__)
+                self.sender.on_message(agent, msg, self.now)
+            for agent, frame in self.td.get_notifs():
+                self.receiver.on_message(agent, m.decode(frame), self.now)
+            for peers in (self.sender.peers, self.receiver.peers):
+                peers.poll(self.now)
+            self.sender.poll(self.now)
+            self.receiver.poll(self.now)
+
+    def tokens(self, views: dict, blocks: tuple[int, ...], n: int) -> list[torch.Tensor]:
+        """Each layer's first ``n`` tokens through ``blocks``, as bytes."""
+        out = []
+        for t in views.values():
+            rows = t[list(blocks)].view(torch.uint8)  # [blocks, H, N, C]
+            per_token = rows.permute(1, 0, 2, 3).reshape(H, -1, rows.shape[-1])
+            out.append(per_token[:, :n])
+        return out
+
+
+def _fields(s: Any) -> dict[str, Any]:
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+def test_ipc_moves_every_byte_and_d_counts_its_completion() -> None:
+    pair = GpuPair("ipc")
+    pair.transfer("t1", (7, 2, 9), (4, 11, 0), 10)  # scattered, the last block half full
+    (got,) = pair.receiver.finished
+    assert got.ok
+    (report,) = pair.reports
+    assert report.ok and report.path == "ipc" and report.descriptors == 0
+    assert report.bytes_total > 0 and "copy" in report.stage_ms
+    for p, d in zip(
+        pair.tokens(pair.p_views, (7, 2, 9), 10),
+        pair.tokens(pair.d_views, (4, 11, 0), 10),
+        strict=True,
+    ):
+        assert torch.equal(p, d)
+    untouched = [b for b in range(B) if b not in (4, 11, 0)]
+    assert int(pair.d_raw.view(B, -1)[untouched].sum()) == 0  # BLHNC: a block is one page
+    assert pair.seen == ["IpcOffer", "Register"]  # the offer first, on the same path
+
+
+def test_the_offer_goes_to_each_p_agent_once() -> None:
+    pair = GpuPair("ipc")
+    pair.transfer("t1", (1,), (2,), 4)
+    pair.transfer("t2", (3,), (5,), 4)
+    assert pair.seen == ["IpcOffer", "Register", "Register"]
+    assert [r.path for r in pair.reports] == ["ipc", "ipc"]
+
+
+def test_auto_keeps_host_memory_direct_and_still_moves_the_bytes() -> None:
+    pair = GpuPair("auto")
+    pair.transfer("t1", (7, 2), (4, 11), 8)
+    (report,) = pair.reports
+    assert report.ok and report.path == "direct" and "host memory" in report.path_reason
+    assert report.descriptors > 0
+    assert pair.receiver.finished[0].ok
+    p_bytes, d_bytes = pair.tokens(pair.p_views, (7, 2), 8), pair.tokens(pair.d_views, (4, 11), 8)
+    for p, d in zip(p_bytes, d_bytes, strict=True):
+        assert torch.equal(p, d)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"d_block_size": 2}, "block geometry differs"),
+        ({"node": "another-host"}, "no IPC offer taken"),
+    ],
+)
+def test_what_ipc_cannot_serve_goes_direct_with_the_reason(kwargs: dict, why: str) -> None:
+    pair = GpuPair("ipc", **kwargs)
+    d_blocks = (4, 11, 0, 1) if kwargs.get("d_block_size") == 2 else (4, 11)
+    pair.transfer("t1", (7, 2), d_blocks, 8)
+    (report,) = pair.reports
+    assert report.ok and report.path == XferPath.DIRECT.value
+    assert why in report.path_reason
+    assert pair.receiver.finished[0].ok
+    if "node" in kwargs:
+        assert pair.paths.refused[D_ADDR.agent] == "another node"
+
+
+def test_an_aborted_ipc_copy_finishes_but_sends_no_completion() -> None:
+    fabric = FakeFabric()
+    tp, td = fabric.transport("prefill"), fabric.transport("decode")
+    tp.connect("decode", *td.listen_address, timeout_s=0)
+    src = RowTable.of([torch.full((4, 64), 3, dtype=torch.uint8)])
+    dst_t = torch.zeros(4, 64, dtype=torch.uint8)
+    dst = RowTable.of([dst_t])
+    ids = torch.tensor([1, 2], dtype=torch.int64)
+    write = IpcWrite(IpcPush(tp, "decode", src, ids, dst, ids, Lane("cpu"), b"done"))
+    write.withhold()
+    assert write.pump()  # the copy has run: the blocks may be released
+    assert td.get_notifs() == []  # but D hears nothing: the transfer already failed
+    assert int(dst_t[1:3].sum()) == 2 * 64 * 3
