@@ -2,12 +2,15 @@
 Receiver, transfer thread, NixlTransport) and time it, on CPU (DRAM) or GPU (VRAM).
 
 Run: python -m bench.gpu_push --device cuda:0 [--d-device cuda:1] [--tokens 1024,4096,16384]
-     [--no-doorbell]
+     [--no-doorbell] [--kv-layout BLHNC] [--paths direct,ipc,auto] [--json out.jsonl]
 The KV is shaped like one TP rank of a Llama-3-8B-class model (32 layers, 8 KV heads,
 head_dim 128, bf16, K|V packed per token, 16-token blocks). For every size it moves a
 prompt whose D blocks are contiguous, then one whose D blocks are scattered (random ids,
 as in a busy server), checks every moved block by checksum, and prints: descriptors
 after merging, P's descriptor prep, WRITE post -> DONE, P ready -> D counted, GB/s.
+``--kv-layout`` lays the KV out as vLLM's views of that KVCacheLayout do (BLHNC: a block
+of all layers is one page); ``--paths`` runs one P/D pair per ``xfer_paths`` value and
+names the path each transfer took (``direct`` or ``ipc``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1100)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-layout", default=None, help="a vLLM KVCacheLayout, e.g. BLHNC")
+    ap.add_argument("--paths", default="auto", help="xfer_paths values, one P/D pair each")
     ap.add_argument(
         "--no-doorbell",
         action="store_true",
@@ -51,13 +56,38 @@ def main() -> int:
         token_bytes=2 * 128 * 2,
         doorbell=not args.no_doorbell,
     )
-    p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=args.device, **shape), 120)
+    rows: list[dict] = []
+    for mode in args.paths.split(","):
+        extra = dict(kv_layout=args.kv_layout, xfer_paths=mode) if args.kv_layout else {}
+        run_pair(args, {**shape, **extra}, mode, rows)
+    print(
+        "\n| paths | path | tokens | D blocks | MiB | descriptors | prep ms | WRITE ms "
+        "| P ready → D counted ms | GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['paths']} | {r['path']} | {r['tokens']} | {r['layout']} | {r['mib']:.0f} | "
+            f"{r['descriptors']} | {r['prep_ms']:.2f} | {r['write_ms']:.2f} | "
+            f"{r['e2e_ms']:.2f} | {r['gbps']:.1f} |"
+        )
+    if args.json:
+        out = Path(args.json)
+        if out.suffix == ".jsonl":
+            out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def run_pair(args: argparse.Namespace, shape: dict, mode: str, rows: list[dict]) -> None:
+    """One P/D pair: every token count, contiguous then scattered D blocks."""
+    dev = args.device
+    p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=dev, **shape), 120)
     d = RankProcess(
-        RankSpec("D", "decode", 0, 1, free_port(), device=args.d_device or args.device, **shape),
-        120,
+        RankSpec("D", "decode", 0, 1, free_port(), device=args.d_device or dev, **shape), 120
     )
     rng = random.Random(0)
-    rows = []
     try:
         for n in [int(x) for x in args.tokens.split(",")]:
             nb = n // 16
@@ -88,6 +118,9 @@ def main() -> int:
                 e2e = mid(lambda r, g: (g.at_ns - r.issued_ns) / 1e6)
                 rows.append(
                     dict(
+                        paths=mode,
+                        path=r0.path,
+                        kv_layout=args.kv_layout or "synthetic",
                         tokens=n,
                         layout=layout,
                         mib=r0.bytes_total / 2**20,
@@ -102,19 +135,6 @@ def main() -> int:
     finally:
         p.stop()
         d.stop()
-    print(
-        "\n| tokens | D blocks | MiB | descriptors | prep ms | WRITE ms "
-        "| P ready → D counted ms | GB/s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['tokens']} | {r['layout']} | {r['mib']:.0f} | {r['descriptors']} | "
-            f"{r['prep_ms']:.2f} | {r['write_ms']:.2f} | {r['e2e_ms']:.2f} | {r['gbps']:.1f} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -135,26 +135,26 @@ class WorkerSide:
 
     def _gpu_paths(self, kv_caches: dict[str, Any], layout: Any, me: RankInfo) -> tuple[Any, Any]:
         """GPU: P's path driver and D's IPC offer (connector/transfer/gpu/paths.py); neither
-        on CPU or with ``xfer_paths: direct``, where every transfer goes direct."""
-        if layout.mem_type != "VRAM" or self.cfg.xfer_paths == "direct":
+        on CPU, where every transfer goes direct."""
+        if layout.mem_type != "VRAM":
             return None, None
-        from connector.transfer.gpu.paths import GpuPaths, make_offer
-        from connector.transfer.gpu.rows import RowTable
+        from connector.transfer.gpu.paths import paths_for
 
         try:
-            rows = RowTable.of(block_row_views(kv_caches))
+            views = block_row_views(kv_caches)
         except LayoutError as exc:
-            logger.warning(
-                "KV blocks are not contiguous rows (%s): every transfer goes direct", exc
-            )
+            logger.warning("KV blocks are not contiguous rows (%s): transfers go direct", exc)
             return None, None
-        paths = (
-            GpuPaths(self._transport, layout, rows, mode=self.cfg.xfer_paths)
-            if self.is_producer
-            else None
+        return paths_for(
+            self._transport,
+            layout,
+            views,
+            me.addr,
+            me.rank,
+            producer=self.is_producer,
+            consumer=self.is_consumer,
+            mode=self.cfg.xfer_paths,
         )
-        offer = make_offer(rows, me.addr, me.rank) if self.is_consumer else None
-        return paths, offer
 
     def _spans(self) -> Any:
         tracer = engine_tracer(self.engine_id, producer=self.is_producer)

@@ -53,6 +53,12 @@ class RankSpec:
     recv_policy: ReceiverPolicy = field(default_factory=ReceiverPolicy)
     dial_timeout_s: float = 5.0
     doorbell: bool = True  # UDP wake-ups on the listen port number (connector.transfer.doorbell)
+    # A vLLM KVCacheLayout name ("LBHNC", "BLHNC", ...): the KV as vLLM's views lay it out
+    # (connector.tools.kv_caches, token_bytes = K|V of one head), described as the worker
+    # does; None: the synthetic buffer above. Needs torch.
+    kv_layout: str | None = None
+    dtype: str = "bfloat16"  # of the vLLM-shaped KV (bfloat16, float8_e4m3fn)
+    xfer_paths: str = "auto"  # GPU: PushkvConfig.xfer_paths
 
     @property
     def agent(self) -> str:
@@ -110,6 +116,57 @@ class RankSpec:
         )
 
 
+class VllmKV:
+    """A rank's KV as vLLM hands it to the worker (``connector.tools.kv_caches``)."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        import torch
+
+        from connector.kv_tensors import describe_kv_caches
+        from connector.tools.kv_caches import vllm_kv_caches
+
+        self.spec, dev = spec, torch.device(spec.device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dtype = getattr(torch, spec.dtype)
+        elt = torch.empty(0, dtype=dtype).element_size()
+        h = spec.heads[1] - spec.heads[0]
+        self.raw, self.views = vllm_kv_caches(
+            spec.num_layers,
+            spec.num_blocks,
+            h,
+            spec.block_size,
+            spec.token_bytes // (2 * elt),
+            dtype=dtype,
+            layout=spec.kv_layout or "LBHNC",
+            device=dev,
+        )
+        if spec.role == "P":
+            self.fill(list(range(spec.num_blocks)), spec.seed * 1000 + spec.rank)
+        self.layout = describe_kv_caches(self.views, {}, spec.heads)
+
+    def fill(self, block_ids: list[int], seed: int) -> None:
+        """Seeded random bytes into these blocks of every layer, on the current stream."""
+        import torch
+
+        g = torch.Generator(device=self.raw.device).manual_seed(seed)
+        for t in self.views.values():
+            rows = t.view(torch.uint8)[block_ids]
+            t.view(torch.uint8)[block_ids] = torch.randint(
+                1, 256, rows.shape, dtype=torch.uint8, device=rows.device, generator=g
+            )
+
+    def block_sums(self, block_ids: list[int]) -> np.ndarray:
+        """(layers, blocks) checksums."""
+        import torch
+
+        sums = [
+            t.view(torch.uint8)[block_ids].reshape(len(block_ids), -1).to(torch.int64).sum(-1)
+            for t in self.views.values()
+        ]
+        return torch.stack(sums).cpu().numpy()  # type: ignore[no-any-return]
+
+
 class RankCounters(NamedTuple):
     """One rank's counters, as its ``counters`` command returns them."""
 
@@ -141,10 +198,27 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     from connector.transfer.topology import RankInfo, Topology
     from connector.transport.nixl import NixlTransport
 
-    buf = spec.allocate()
-    layout = spec.layout(buf)
+    kv = VllmKV(spec) if spec.kv_layout else None
+    buf = spec.allocate() if kv is None else kv.raw
+    layout = spec.layout(buf) if kv is None else kv.layout
     transport = NixlTransport(spec.agent, listen_port=spec.port)
     transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
+    paths: Any = None
+    offer: Any = None
+    if kv is not None and layout.mem_type == "VRAM":  # as WorkerSide._gpu_paths
+        from connector.kv_tensors import block_row_views
+        from connector.transfer.gpu.paths import paths_for
+
+        paths, offer = paths_for(
+            transport,
+            layout,
+            block_row_views(kv.views),
+            spec.addr,
+            spec.rank,
+            producer=spec.role == "P",
+            consumer=spec.role == "D",
+            mode=spec.xfer_paths,  # type: ignore[arg-type]
+        )
     bell = Doorbell.open("127.0.0.1", spec.port) if spec.doorbell else None
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
@@ -159,12 +233,13 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             peers,
             spec.send_policy,
             on_write_finished=reports.append,
+            paths=paths,
         )
         thread = TransferThread(
             transport, peers, sender=sender, name=f"pushkv-{spec.agent}", bell=bell, backoff=backoff
         )
     else:
-        receiver = Receiver(me, layout, peers, spec.recv_policy)
+        receiver = Receiver(me, layout, peers, spec.recv_policy, offer=offer)
         thread = TransferThread(
             transport,
             peers,
@@ -183,6 +258,12 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             if cmd == "submit":
                 thread.submit(args[0])
                 conn.send(("ok",))
+            elif cmd == "prefill":  # (PrefillDone, seed, sleep_cycles): a GPU "forward"
+                done, seed, cycles = args
+                assert kv is not None, "prefill needs kv_layout"
+                ready = _forward(kv, list(done.block_ids[0]), seed, cycles)
+                thread.submit(done, ready=ready)
+                conn.send(("ok",))
             elif cmd == "take":
                 conn.send(
                     (
@@ -196,7 +277,9 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
                 conn.send(("ok", buf.cpu().numpy() if spec.device != "cpu" else buf.copy()))
             elif cmd == "block_sums":  # (layers, blocks) checksums, cheap to ship back
                 ids = list(args[0])
-                if spec.device != "cpu":
+                if kv is not None:
+                    conn.send(("ok", kv.block_sums(ids)))
+                elif spec.device != "cpu":
                     sums = (
                         buf[:, ids]
                         .reshape(spec.num_layers, len(ids), -1)
@@ -234,6 +317,23 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
         thread.stop()
         transport.close()
         conn.send(("stopped",))
+
+
+def _forward(kv: VllmKV, block_ids: list[int], seed: int, cycles: int) -> Any:
+    """Write new KV into ``block_ids`` as a forward would: on CUDA after ``cycles`` of device
+    sleep, on the current stream, and return the step's "done?" check (the worker's
+    ``_step_done_check``). A WRITE that read the blocks before this check said yes would
+    carry the old bytes, which the checksums catch."""
+    import torch
+
+    if kv.raw.device.type != "cuda":
+        kv.fill(block_ids, seed)
+        return None
+    torch.cuda._sleep(cycles)
+    kv.fill(block_ids, seed)
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 class RankProcess:
@@ -293,6 +393,11 @@ class RankProcess:
                     f"sent={self.sent} received={self.received}"
                 )
             time.sleep(0.005)  # pacing of the poll loop, not synchronisation
+
+    def prefill(self, done: ev.PrefillDone, seed: int, sleep_cycles: int = 0) -> None:
+        """P with ``kv_layout``: write fresh KV into the blocks (on the GPU, after a device
+        sleep), then submit ``done`` with the step's CUDA event as its ready check."""
+        self.call("prefill", done, seed, sleep_cycles)
 
     def read(self) -> np.ndarray:
         return self.call("read")[0]

@@ -75,6 +75,27 @@ def make_offer(rows: RowTable, me: m.PeerAddr, rank: int) -> m.IpcOffer:
     )
 
 
+def paths_for(
+    transport: Transport,
+    layout: KVLayout,
+    row_views: list[torch.Tensor],
+    me: m.PeerAddr,
+    rank: int,
+    *,
+    producer: bool,
+    consumer: bool,
+    mode: Mode = "auto",
+) -> tuple[GpuPaths | None, m.IpcOffer | None]:
+    """A rank's path driver (P) and IPC offer (D) for its KV ``row_views``
+    (``connector.kv_tensors.block_row_views``); (None, None) with ``mode`` direct."""
+    if mode == "direct":
+        return None, None
+    rows = RowTable.of(row_views)
+    offer = make_offer(rows, me, rank) if consumer else None  # first: CPU sharing moves storage
+    paths = GpuPaths(transport, layout, rows, mode=mode) if producer else None
+    return paths, offer
+
+
 @dataclass
 class _Mapped:
     rows: RowTable

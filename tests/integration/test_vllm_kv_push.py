@@ -1,0 +1,97 @@
+"""The transfer path on KV laid out as vLLM's attention backends hand it over (every
+KVCacheLayout the worker reads, bf16 and fp8), between two processes over real NIXL.
+
+On CPU (CI) the bytes go direct. On a GPU (``python -m pytest tests/integration/
+test_vllm_kv_push.py`` on the H200) P and D share it: the IPC path and direct descriptors
+each move a scattered request, P's "forward" writes the KV on its stream after a device
+sleep, and the checksums show both that every byte moved and that P read the KV only after
+the step's CUDA event fired (an early read would carry the previous bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from connector.core import events as ev
+from connector.tools.loopback import RankProcess, RankSpec, expected_event
+from connector.tools.stack import free_port
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
+
+CUDA = torch.cuda.is_available()
+SHAPE = dict(num_layers=4, num_blocks=96, block_size=16, num_kv_heads=4, token_bytes=2 * 64 * 2)
+
+
+@pytest.fixture
+def pair() -> Iterator[Callable[..., tuple[RankProcess, RankProcess]]]:
+    started: list[RankProcess] = []
+
+    def start(device: str, **kw: object) -> tuple[RankProcess, RankProcess]:
+        shape = {**SHAPE, **kw}
+        p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
+        started.append(p)
+        d = RankProcess(RankSpec("D", "decode", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
+        started.append(d)
+        return p, d
+
+    yield start
+    for proc in started:
+        proc.stop()
+    assert not any(p.proc.is_alive() for p in started)
+
+
+def push(
+    p: RankProcess, d: RankProcess, tid: str, n: int, d_blocks: tuple[int, ...], seed: int
+) -> tuple[object, object]:
+    nb = -(-n // p.spec.block_size)
+    p_blocks = tuple(range(10, 10 + nb))
+    d.submit(expected_event(tid, [p.spec], d.spec, d_blocks, n))
+    # ~20 ms of device sleep before the KV is written: long enough that a WRITE or copy not
+    # waiting for the step's event would read the old bytes.
+    p.prefill(ev.PrefillDone(tid, f"req-{tid}", (p_blocks,), n), seed, sleep_cycles=40_000_000)
+    d.wait(tid, lambda r: any(x.transfer_id == tid for x in r.received), 60)
+    p.wait(tid, lambda r: f"req-{tid}" in r.sent, 60)
+    got = next(x for x in d.received if x.transfer_id == tid)
+    report = next(r for r in p.reports if r.transfer_id == tid)
+    assert got.ok and report.ok, f"{tid}: {got} {report}"
+    full = n // p.spec.block_size  # whole blocks: every byte of them is the prompt's
+    ps, ds = p.block_sums(list(p_blocks[:full])), d.block_sums(list(d_blocks[:full]))
+    assert (ps == ds).all(), f"{tid}: moved blocks differ (path {report.path})"
+    return got, report
+
+
+@pytest.mark.parametrize(
+    ("kv_layout", "dtype"),
+    [("LBHNC", "bfloat16"), ("BLHNC", "float8_e4m3fn"), ("LBNHC", "bfloat16")],
+)
+def test_cpu_vllm_layouts_push_every_byte(pair, kv_layout: str, dtype: str) -> None:
+    p, d = pair("cpu", kv_layout=kv_layout, dtype=dtype)
+    _, report = push(p, d, "t1", 5 * 16, (50, 3, 77, 21, 8), seed=7)
+    assert report.path == "direct"  # host memory: IPC is for GPUs
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("kv_layout", "dtype", "paths", "want"),
+    [
+        ("LBHNC", "bfloat16", "ipc", "ipc"),
+        ("BLHNC", "bfloat16", "ipc", "ipc"),
+        ("BLHNC", "float8_e4m3fn", "auto", None),
+        ("LBHNC", "bfloat16", "direct", "direct"),
+        ("BLNHC", "bfloat16", "ipc", "ipc"),
+    ],
+)
+def test_gpu_paths_push_every_byte_after_the_forward(
+    pair, kv_layout: str, dtype: str, paths: str, want: str | None
+) -> None:
+    p, d = pair("cuda:0", kv_layout=kv_layout, dtype=dtype, xfer_paths=paths)
+    for i, n in enumerate((16 * 16, 40 * 16 + 5)):
+        d_blocks = tuple(90 - 2 * k for k in range(-(-n // 16)))  # scattered, descending
+        _, report = push(p, d, f"t{i}", n, d_blocks, seed=100 + i)
+        if want is not None:
+            assert report.path == want, report.path_reason
+        if report.path == "ipc":
+            assert report.descriptors == 0 and report.stage_ms.get("copy", -1) >= 0
