@@ -79,6 +79,7 @@ class PathChoice:
     path: XferPath
     reason: str  # why, in a few words (for the ``write`` span)
     estimates_ns: tuple[tuple[XferPath, int], ...]  # every path considered
+    bytes_total: int = 0  # what a non-direct path moves (whole block rows)
 
 
 def choose_path(
@@ -113,4 +114,5 @@ def choose_path(
     best, best_ns = min(considered[1:], key=lambda pe: pe[1], default=(XferPath.DIRECT, 0))
     if best is XferPath.DIRECT or best_ns * model.min_gain > direct_ns:
         return PathChoice(XferPath.DIRECT, "direct fastest", tuple(considered))
-    return PathChoice(best, f"{best.value} {direct_ns / max(best_ns, 1):.1f}x", tuple(considered))
+    reason = f"{best.value} {direct_ns / max(best_ns, 1):.1f}x"
+    return PathChoice(best, reason, tuple(considered), bytes_total)

@@ -11,11 +11,11 @@ this module imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from connector.core import messages as m
 from connector.core.events import BlockTable
-from connector.core.plan import Pieces
 from connector.core.xfer_path import PathChoice, XferPath
 
 
@@ -49,8 +49,13 @@ class Paths(Protocol):
         """``agent`` is gone: drop its mapping."""
         ...
 
-    def choose(self, reg: m.Register, src_blocks: BlockTable, pieces: Pieces) -> PathChoice:
-        """The path for one target, given the direct plan's ``pieces``."""
+    def choose(self, reg: m.Register, src_blocks: BlockTable) -> PathChoice:
+        """The path for one target, decided without planning descriptors (that costs ~2 ms
+        at 16k tokens, ``python -m bench.gpu_push``): the Sender plans only direct ones."""
+        ...
+
+    def bind_waker(self, wake: Callable[[], None]) -> None:
+        """How to wake the transfer thread when a write's device work has finished."""
         ...
 
     def start(

@@ -249,17 +249,19 @@ class Sender:
                     raise LayoutError(
                         f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"
                     )
-                heads = self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
-                pieces = plan_transfer(
-                    self.layout,
-                    a.block_ids,
-                    reg.layout,
-                    reg.block_ids,
-                    first_token=reg.first_token,
-                    num_tokens=reg.num_tokens,
-                    heads=heads,
-                )
-                choice = self.paths.choose(reg, a.block_ids, pieces) if self.paths else None
+                choice = self.paths.choose(reg, a.block_ids) if self.paths else None
+                pieces = None
+                if choice is None or choice.path is XferPath.DIRECT:
+                    heads = self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
+                    pieces = plan_transfer(
+                        self.layout,
+                        a.block_ids,
+                        reg.layout,
+                        reg.block_ids,
+                        first_token=reg.first_token,
+                        num_tokens=reg.num_tokens,
+                        heads=heads,
+                    )
                 plans.append((reg, pieces, choice))
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
@@ -277,8 +279,11 @@ class Sender:
             report.path = ",".join(sorted({c.path.value for c in chosen}))
             report.path_reason = "; ".join(sorted({c.reason for c in chosen}))
         for reg, pieces, choice in plans:
-            report.bytes_total += pieces.bytes_total
-            if choice is None or choice.path is XferPath.DIRECT:
+            if pieces is None:
+                assert choice is not None
+                report.bytes_total += choice.bytes_total
+            else:
+                report.bytes_total += pieces.bytes_total
                 report.descriptors += pieces.count
             self.peers.when_ready(
                 reg.d_addr,
@@ -292,16 +297,16 @@ class Sender:
         self,
         w: _Write,
         reg: m.Register,
-        pieces: Pieces,
+        pieces: Pieces | None,
         choice: PathChoice | None,
         src_blocks: ev.BlockTable,
     ) -> None:
         w.unposted -= 1
         if w.aborting:
             return
-        if choice is not None and choice.path is not XferPath.DIRECT and pieces.count:
-            assert self.paths is not None
-            notif = self._completion(w.report.transfer_id, pieces.bytes_total, 0)
+        if pieces is None:  # another path than direct: no descriptors were planned
+            assert self.paths is not None and choice is not None
+            notif = self._completion(w.report.transfer_id, choice.bytes_total, 0)
             try:
                 w.report.posted_ns = w.report.posted_ns or time.time_ns()
                 w.others.append(self.paths.start(choice, reg, src_blocks, notif))

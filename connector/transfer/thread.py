@@ -132,6 +132,8 @@ class TransferThread:
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self.counters: Counter[str] = Counter()
         self._incoming = IncomingWrites(self.counters) if bell is not None else None
+        if sender is not None and sender.paths is not None:
+            sender.paths.bind_waker(self._wake.wake)  # a GPU copy's end wakes us at once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ------------------------------------------------------------------ engine side

@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
+import numpy as np
 import torch
 
 from connector.core import messages as m
 from connector.core.errors import LayoutError
 from connector.core.events import BlockTable
 from connector.core.layout import KVLayout
-from connector.core.plan import Pieces
 from connector.core.xfer_path import Locality, PathChoice, PathModel, XferPath, choose_path
 from connector.transfer.gpu.ipc import IpcExport, IpcPush, export_rows, import_rows
-from connector.transfer.gpu.lanes import Lane
+from connector.transfer.gpu.lanes import Lane, Mark
 from connector.transfer.gpu.rows import Backend, RowTable
 from connector.transport.base import Transport
 
@@ -141,6 +144,13 @@ class GpuPaths:
         self._uuid = device_uuid(rows.device)
         self._lane = Lane(rows.device)
         self._mapped: dict[str, _Mapped] = {}
+        self._waiter = _Waiter()
+        regions, extent = sorted(layout.regions, key=lambda r: r.base_addr), layout.block_extent
+        self._layers_adjacent = all(
+            r.block_stride == len(regions) * extent
+            and r.base_addr == regions[0].base_addr + i * extent
+            for i, r in enumerate(regions)
+        )
         self.refused: dict[str, str] = {}  # agent -> why its offer was not taken (logs, tests)
 
     # ------------------------------------------------------------------ offers
@@ -172,6 +182,9 @@ class GpuPaths:
         self._mapped[agent] = _Mapped(rows, Locality.SAME_GPU if same else Locality.SAME_NODE)
         self.refused.pop(agent, None)
         return ""
+
+    def bind_waker(self, wake: Callable[[], None]) -> None:
+        self._waiter.wake = wake
 
     def forget(self, agent: str) -> None:
         self._mapped.pop(agent, None)
@@ -206,27 +219,36 @@ class GpuPaths:
             return "block counts differ"
         return src, dst
 
-    def choose(self, reg: m.Register, src_blocks: BlockTable, pieces: Pieces) -> PathChoice:
+    def choose(self, reg: m.Register, src_blocks: BlockTable) -> PathChoice:
         mapped = self._mapped.get(reg.d_addr.agent)
-        why = "no IPC offer taken" if mapped is None else ""
-        if mapped is not None:
-            ids = self._ids(reg, src_blocks, mapped)
-            why = ids if isinstance(ids, str) else ""
-        if self.mode == "ipc" and not why:
-            return PathChoice(XferPath.IPC, "xfer_paths is ipc", ())
-        choice = choose_path(
-            pieces.count,
-            pieces.bytes_total,
+        if mapped is None:
+            return PathChoice(XferPath.DIRECT, "direct: no IPC offer taken", ())
+        ids = self._ids(reg, src_blocks, mapped)
+        if isinstance(ids, str):
+            return PathChoice(XferPath.DIRECT, f"direct: {ids}", ())
+        src, dst = ids
+        if not src:
+            return PathChoice(XferPath.DIRECT, "empty", ())
+        nbytes = len(src) * self.rows.row_bytes * self.rows.num_regions
+        if self.mode == "ipc":
+            return PathChoice(XferPath.IPC, "xfer_paths is ipc", (), nbytes)
+        return choose_path(
+            self._direct_descriptors(src, dst),
+            nbytes,
             src_mem=self.layout.mem_type,
             dst_mem=reg.layout.mem_type,
-            locality=mapped.locality if mapped is not None else Locality.REMOTE,
+            locality=mapped.locality,
             staging_ok=False,
-            ipc_ok=not why and self.mode != "direct",
             model=self.model,
         )
-        if choice.path is XferPath.DIRECT and why:
-            return PathChoice(XferPath.DIRECT, f"direct: {why}", choice.estimates_ns)
-        return choice
+
+    def _direct_descriptors(self, src: list[int], dst: list[int]) -> int:
+        """What the direct plan would post, without planning it: one descriptor per run of
+        blocks consecutive on both sides, times the regions unless a block of all layers is
+        one page on both (block-outermost, the same geometry on both sides)."""
+        a, b = np.asarray(src), np.asarray(dst)
+        runs = 1 + int(np.count_nonzero((np.diff(a) != 1) | (np.diff(b) != 1)))
+        return runs * (1 if self._layers_adjacent else len(self.layout.regions))
 
     def start(
         self, choice: PathChoice, reg: m.Register, src_blocks: BlockTable, notif: bytes
@@ -251,4 +273,31 @@ class GpuPaths:
             notif,
             backend=self.backend,
         )
+        self._waiter.watch(push.end)
         return IpcWrite(push)
+
+
+class _Waiter:
+    """Wakes the transfer thread the moment a copy's event has fired, instead of leaving it
+    to the thread's polling backoff (up to ``poll_hot_max_s`` late). Waits in its own
+    thread, since the transfer thread must never block; touches no transport."""
+
+    def __init__(self) -> None:
+        self.wake: Callable[[], None] | None = None
+        self._queue: queue.SimpleQueue[Mark] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, mark: Mark) -> None:
+        if self.wake is None or mark.event is None:
+            return  # no thread to wake, or host work that is already done
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pushkv-ipc-wait", daemon=True)
+            self._thread.start()
+        self._queue.put(mark)
+
+    def _run(self) -> None:
+        while True:
+            mark = self._queue.get()
+            mark.wait()  # one stream: events fire in the order they were queued
+            if self.wake is not None:
+                self.wake()

@@ -12,6 +12,7 @@ import torch
 
 from connector.core import events as ev
 from connector.core import messages as m
+from connector.core.plan import plan_transfer
 from connector.core.xfer_path import XferPath
 from connector.kv_tensors import block_row_views, describe_kv_caches
 from connector.transfer.gpu.ipc import IpcPush
@@ -181,3 +182,16 @@ def test_an_aborted_ipc_copy_finishes_but_sends_no_completion() -> None:
     assert write.pump()  # the copy has run: the blocks may be released
     assert td.get_notifs() == []  # but D hears nothing: the transfer already failed
     assert int(dst_t[1:3].sum()) == 2 * 64 * 3
+
+
+@pytest.mark.parametrize(("layout", "per_run"), [("BLHNC", 1), ("LBHNC", L)])
+def test_the_direct_estimate_counts_what_the_planner_posts(layout: str, per_run: int) -> None:
+    _, views = kv(4, seed=None, layout=layout)
+    lay = describe_kv_caches(views, {}, (0, H), opaque=False)
+    paths = GpuPaths(FakeFabric().transport("p"), lay, RowTable.of(block_row_views(views)))
+    src, dst = [1, 2, 3, 7, 8], [4, 5, 6, 0, 1]  # two runs consecutive on both sides
+    assert paths._direct_descriptors(src, dst) == 2 * per_run
+    pieces = plan_transfer(
+        lay, (tuple(src),), lay, (tuple(dst),), first_token=0, num_tokens=5 * 4, heads=(0, H)
+    )
+    assert pieces.count == 2 * per_run
