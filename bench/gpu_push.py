@@ -3,7 +3,8 @@ Receiver, transfer thread, NixlTransport) and time it, on CPU (DRAM) or GPU (VRA
 
 Run: python -m bench.gpu_push --device cuda:0 [--d-device cuda:1] [--tokens 1024,4096,16384]
      [--no-doorbell] [--kv-layout BLHNC] [--paths direct,ipc,auto] [--json out.jsonl]
-The KV is shaped like one TP rank of a Llama-3-8B-class model (32 layers, 8 KV heads,
+The KV is shaped like one TP rank of a Llama-3-8B-class model (32 layers, 8 KV heads;
+``--layers 64 --kv-heads 1``: one rank of Qwen3-32B at TP8,
 head_dim 128, bf16, K|V packed per token, 16-token blocks). For every size it moves a
 prompt whose D blocks are contiguous, then one whose D blocks are scattered (random ids,
 as in a busy server), checks every moved block by checksum, and prints: descriptors
@@ -35,6 +36,7 @@ def main() -> int:
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=1100)
+    ap.add_argument("--kv-heads", type=int, default=8, help="1: a Qwen3-32B TP8 rank")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--kv-layout", default=None, help="a vLLM KVCacheLayout, e.g. BLHNC")
@@ -52,7 +54,7 @@ def main() -> int:
         num_layers=args.layers,
         num_blocks=args.blocks,
         block_size=16,
-        num_kv_heads=8,
+        num_kv_heads=args.kv_heads,
         token_bytes=2 * 128 * 2,
         doorbell=not args.no_doorbell,
     )
