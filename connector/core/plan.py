@@ -221,11 +221,23 @@ def _raw_pieces(
             idx = np.arange(extent, dtype=np.int64)
             sa = sa[..., None] + idx * s_step
             da = da[..., None] + idx * d_step
-        out.append((sa.reshape(-1), da.reshape(-1), np.full(sa.size, elem, dtype=np.int64)))
+        out.append((*_flat(sa, da), np.full(sa.size, elem, dtype=np.int64)))
     if len(out) == 1:
         return out[0]
     src, dst, length = (np.concatenate(parts) for parts in zip(*out, strict=True))
     return src, dst, length
+
+
+def _flat(sa: np.ndarray, da: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces region-major, or segment-major where that is the source's address order
+    (block-outermost layouts put a block's layers side by side), so that ``merge`` finds
+    them sorted and skips its sort: ~3 ms of 65k pieces at 16k tokens (``bench.gpu_push``)."""
+    a = sa.reshape(-1)
+    if sa.ndim >= 2 and a.size > 1 and not bool((a[1:] > a[:-1]).all()):
+        t = np.swapaxes(sa, 0, 1).reshape(-1)
+        if bool((t[1:] > t[:-1]).all()):
+            return t, np.swapaxes(da, 0, 1).reshape(-1)
+    return a, da.reshape(-1)
 
 
 def plan_transfer(

@@ -97,6 +97,7 @@ class Sender:
         self._ready: dict[str, ReadyCheck] = {}  # transfer id -> "is the KV computed?"
         self._ready_seen: set[str] = set()  # ... and it said yes
         self._deferred: dict[str, ev.IssueWrite] = {}
+        self._valid: dict[KVLayout, None] = {}  # D layouts that passed validate(), bounded
         self._on_write_finished = on_write_finished
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
         self.paths = paths
@@ -136,8 +137,13 @@ class Sender:
             )
             return
         if isinstance(msg, m.Register):
-            # Fetch D's metadata now, while P may still be computing: off the critical path.
+            # Fetch D's metadata and check its layout now, while P may still be computing:
+            # off the critical path (validating 64 regions takes ~3 ms).
             self.peers.when_ready(msg.d_addr, now_ns, _noop, _noop_fail)
+            try:
+                self._check_layout(msg.layout)
+            except LayoutError:
+                pass  # the transfer fails with LAYOUT_MISMATCH when it is posted
             self.spans.registration(msg.transfer_id, msg.trace, time.time_ns())
             self._run(self.table.handle(ev.Registered(msg), now_ns), now_ns)
         elif isinstance(msg, m.Cancel):
@@ -216,6 +222,15 @@ class Sender:
             else:
                 raise TypeError(f"unknown sender action {a!r}")
 
+    def _check_layout(self, layout: KVLayout) -> None:
+        """A peer's layout, validated once (the planner trusts validated layouts)."""
+        if layout in self._valid:
+            return
+        layout.validate()
+        if len(self._valid) >= 64:  # D engines come and go: forget the oldest
+            del self._valid[next(iter(self._valid))]
+        self._valid[layout] = None
+
     def _completion(self, tid: str, nbytes: int, descs: int) -> bytes:
         return m.encode(
             m.Completion(
@@ -245,6 +260,7 @@ class Sender:
         plans = []
         try:
             for reg in a.registrations:
+                self._check_layout(reg.layout)
                 if reg.num_tokens != a.num_tokens:
                     raise LayoutError(
                         f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"

@@ -7,6 +7,7 @@ step that has not finished, spoofed senders, malformed frames.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -120,6 +121,24 @@ def test_token_count_mismatch_is_a_layout_failure() -> None:
     pair.pump()
     assert pair.sender.finished == ["preq"]
     assert pair.receiver.finished[0].reason is m.FailReason.LAYOUT_MISMATCH
+
+
+def test_a_registration_with_an_invalid_layout_fails_the_transfer_not_the_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pair = Pair()
+    reg = pair.register("t")
+    first = reg.layout.regions[0]
+    overlapping = msgspec.structs.replace(
+        reg.layout, regions=(first, msgspec.structs.replace(first, layer=1))
+    )  # two layers on the same bytes: validate() refuses it
+    pair.sender.on_message(
+        pair.d_spec.agent, msgspec.structs.replace(reg, layout=overlapping), pair.now
+    )
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now)
+    pair.pump()
+    assert pair.sender.finished == ["preq"] and pair.fabric.posted == []
+    assert "t cannot be mapped: regions (0, 0, 0) and (1, 0, 0) overlap" in caplog.text
 
 
 def test_write_waits_for_the_compute_step() -> None:
