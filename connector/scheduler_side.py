@@ -34,7 +34,9 @@ from connector.kv_params import (
     Coordinates,
     DecodeLeg,
     KvParamsError,
+    LegTrust,
     PrefillLeg,
+    UntrustedLeg,
     is_probe,
     parse_decode_leg,
     parse_prefill_leg,
@@ -61,8 +63,16 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, engine_id: str, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        is_producer: bool,
+        is_consumer: bool,
+        trust: LegTrust | None = None,
+    ) -> None:
         self.engine_id = engine_id
+        self._trust = trust or LegTrust()  # D: whose P coordinates a decode leg may name
+        self.untrusted_legs = 0
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self._reqs: dict[str, _Req] = {}
         self._step = StepPlan()
@@ -108,7 +118,15 @@ class SchedulerSide:
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
                 self._reqs[rid] = _Req(request, lc.start(lc.PrefillLegAdded(rid)), prefill=leg)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
+                self._trust.check(dleg, time.time_ns() // 1_000_000)  # before any dial
                 self._reqs[rid] = _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=dleg)
+        except UntrustedLeg as exc:
+            # Never dialed: computed locally; logged 1st, 2nd, 4th... (a flood stays quiet).
+            self.untrusted_legs += 1
+            n = self.untrusted_legs
+            if n & (n - 1) == 0:
+                logger.warning("Request %s: %s; computing it locally (%d so far)", rid, exc, n)
+            self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)

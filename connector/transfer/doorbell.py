@@ -34,6 +34,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from connector.transfer.guard import Guard
+
 logger = logging.getLogger(__name__)
 
 # What a ring says (anything else counts as MESSAGE):
@@ -68,7 +70,10 @@ class Rings:
 
 
 class Doorbell:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, guard: Guard | None = None) -> None:
+        # With a secret, rings are sealed and unsealed ones ignored (a forged ring costs
+        # nothing then; without one it costs polls, bounded as above).
+        self._guard = guard if guard is not None else Guard()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._udp = socket.socket(family, socket.SOCK_DGRAM)
         try:
@@ -87,11 +92,11 @@ class Doorbell:
         self.counters: Counter[str] = Counter()
 
     @classmethod
-    def open(cls, host: str, port: int) -> Doorbell | None:
+    def open(cls, host: str, port: int, guard: Guard | None = None) -> Doorbell | None:
         """A doorbell on ``host:port``, or None (logged) if that UDP port is taken: the
         thread then polls as before."""
         try:
-            return cls(host, port)
+            return cls(host, port, guard)
         except OSError as exc:
             logger.warning(
                 "No doorbell on udp %s:%d (%s); polling every millisecond instead", host, port, exc
@@ -106,7 +111,7 @@ class Doorbell:
     def ring(self, host: str, port: int, what: bytes = MESSAGE) -> None:
         """Wake the transfer thread listening on ``host:port`` (fire and forget)."""
         try:
-            self._udp.sendto(what, (host, port))
+            self._udp.sendto(self._guard.seal_bell(what), (host, port))
             self.counters["rung"] += 1
         except OSError:  # full buffer, no route: the peer's fallback poll still runs
             self.counters["ring_failed"] += 1
@@ -136,6 +141,11 @@ class Doorbell:
                 if not data:
                     break
                 if sock is self._udp:
+                    opened = self._guard.open_bell(data)
+                    if opened is None:
+                        self.counters["refused"] += 1
+                        continue
+                    data = opened
                     self._note_ringer(source)
                     kind = data[:1]
                     if kind == WRITE:

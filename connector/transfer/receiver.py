@@ -20,6 +20,7 @@ from connector.core.errors import PeerDisconnected, TransportError
 from connector.core.layout import KVLayout
 from connector.core.receiver_table import ReceiverTable
 from connector.core.state import ReceiverPolicy
+from connector.transfer.guard import Guard
 from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
@@ -49,8 +50,10 @@ class Receiver:
         policy: ReceiverPolicy = ReceiverPolicy(),
         clock: Callable[[], int] = time.monotonic_ns,
         spans: Any = NO_SPANS,
+        guard: Guard | None = None,
     ) -> None:
         layout.validate()
+        self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._clock = clock
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
         self.me, self.layout, self.peers, self.policy = me, layout, peers, policy
@@ -120,7 +123,7 @@ class Receiver:
                 ids = a.transfer_ids
                 for i in range(0, len(ids), m.MAX_HEARTBEAT_IDS + 1):
                     chunk = ids[i : i + m.MAX_HEARTBEAT_IDS + 1]
-                    frame = m.encode(
+                    frame = self._codec.encode(
                         m.Heartbeat(
                             transfer_id=chunk[0],
                             more_ids=chunk[1:],
@@ -147,7 +150,7 @@ class Receiver:
                 raise TypeError(f"unknown receiver action {a!r}")
 
     def _cancel_frame(self, transfer_id: str, reason: m.FailReason) -> bytes:
-        return m.encode(
+        return self._codec.encode(
             m.Cancel(
                 transfer_id=transfer_id, d_rank=self.me.rank, d_addr=self.me.addr, reason=reason
             )
@@ -155,7 +158,7 @@ class Receiver:
 
     def _send_register(self, a: ev.SendRegister, now_ns: int) -> None:
         exp = self._expected[a.transfer_id]
-        frame = m.encode(
+        frame = self._codec.encode(
             m.Register(
                 transfer_id=a.transfer_id,
                 d_engine_id=self.me.engine_id,

@@ -23,6 +23,7 @@ from connector.core.plan import Pieces, plan_transfer
 from connector.core.sender_table import SenderTable
 from connector.core.state import SenderPolicy
 from connector.transfer.doorbell import DONE, WRITE, write_key
+from connector.transfer.guard import Guard
 from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, PrefillNote
 from connector.transfer.topology import RankInfo, Topology
@@ -75,8 +76,10 @@ class Sender:
         policy: SenderPolicy = SenderPolicy(),
         on_write_finished: Callable[[WriteReport], None] | None = None,
         spans: Any = NO_SPANS,
+        guard: Guard | None = None,
     ) -> None:
         layout.validate()
+        self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._t, self.me, self.layout, self.topology, self.peers = (
             transport,
             me,
@@ -187,7 +190,7 @@ class Sender:
             elif isinstance(a, ev.AbortWrite):
                 self._abort(a.transfer_id, now_ns)
             elif isinstance(a, ev.SendFail):
-                frame = m.encode(
+                frame = self._codec.encode(
                     m.Fail(transfer_id=a.transfer_id, p_rank=self.me.rank, reason=a.reason)
                 )
                 for addr in a.to:
@@ -200,7 +203,7 @@ class Sender:
                 raise TypeError(f"unknown sender action {a!r}")
 
     def _completion(self, tid: str, nbytes: int, descs: int) -> bytes:
-        return m.encode(
+        return self._codec.encode(
             m.Completion(
                 transfer_id=tid,
                 p_rank=self.me.rank,
