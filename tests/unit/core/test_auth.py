@@ -117,7 +117,9 @@ def test_forged_frames_never_enter_the_replay_window() -> None:
     with pytest.raises(auth.AuthError):
         auth.unseal(KEY, auth.NOTIF, forged, NOW, WINDOW, replay=replay)
     assert len(replay) == 0
-    auth.unseal(KEY, auth.NOTIF, auth.seal(KEY, auth.NOTIF, b"x", stamp()), NOW, WINDOW, replay=replay)
+    auth.unseal(
+        KEY, auth.NOTIF, auth.seal(KEY, auth.NOTIF, b"x", stamp()), NOW, WINDOW, replay=replay
+    )
 
 
 # -- the replay window -------------------------------------------------------------------
@@ -139,9 +141,7 @@ def test_window_forgets_expired_stamps_and_caps_with_a_floor() -> None:
 
 @settings(max_examples=300)
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 40), st.integers(-70, 70), st.integers(0, 5)), max_size=120
-    ),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(-70, 70), st.integers(0, 5)), max_size=120),
     st.integers(1, 12),
 )
 def test_replay_window_accepts_each_fresh_stamp_exactly_once(
