@@ -5,16 +5,17 @@ nothing lands, nothing crashes, and the counters show what was dropped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from test_push_loopback import check_bytes, cluster, run_transfer  # noqa: F401 (fixture)
+from test_push_loopback import check_bytes, run_transfer
 
 from connector.core import events as ev
 from connector.core.messages import FailReason
 from connector.core.state import SenderPolicy
-from connector.tools.loopback import RankProcess, expected_event
+from connector.tools.loopback import RankProcess, RankSpec, expected_event
+from connector.tools.stack import free_port
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -22,6 +23,21 @@ KEY = b"pushkv-test-secret-0123456789"
 OTHER = b"another-secret-9876543210xyz"
 MS = 1_000_000
 BLOCKS = dict(p_blocks=(1, 2, 3, 9), d_blocks=(7, 3, 12, 5), num_tokens=60)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Callable[..., RankProcess]]:
+    started: list[RankProcess] = []
+
+    def start(role: str, engine: str, **kw: object) -> RankProcess:
+        proc = RankProcess(RankSpec(role, engine, 0, 1, free_port(), **kw))  # type: ignore[arg-type]
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+    assert not any(p.proc.is_alive() for p in started)
 
 
 def auth_drops(counters: dict[str, int]) -> dict[str, int]:

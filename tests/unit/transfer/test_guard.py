@@ -105,7 +105,8 @@ def test_sealed_bells_ring_and_forged_ones_are_ignored() -> None:
         other.ring(*b.address, MESSAGE)
         other.close()
         a.ring(*b.address, WRITE + write_key(0, "t"))
-        got, deadline = [], time.monotonic() + BOUND_S
+        got: list[bytes] = []
+        deadline = time.monotonic() + BOUND_S
         while not got and time.monotonic() < deadline:
             got = b.wait(BOUND_S).writes
         assert got == [write_key(0, "t")]
