@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-from connector.core import auth
+import connector.core.auth as auth
 from connector.core.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from connector.transport.sidechannel_wire import (
     KIND_EXCHANGE,
