@@ -11,9 +11,10 @@ wakes and polls NIXL at once, and after a WRITE bell keeps polling
 progress). A bell is only a hint: it moves no data and decides nothing; a forged one
 costs polls for at most ``IncomingWrites.max_wait_s`` (with the P/D secret, rings are
 sealed by ``Guard`` and a forged one is ignored and counted as ``refused``). The
-thread still polls while it waits on a peer: every ``poll_bell_fallback_s`` while a peer it waits on has never rung
-it (a peer without doorbells, or one not heard from yet, is only slower), and every
-``poll_bell_trusted_s`` once each has (only a dropped datagram waits that long).
+thread still polls while it waits on a peer: every ``poll_bell_fallback_s`` while a peer
+it waits on has never rung it (a peer without doorbells, or one not heard from yet, is
+only slower), and every ``poll_bell_trusted_s`` once each has (only a dropped datagram
+waits that long).
 ``heard_from`` says who has rung: the datagram's source address is the ringer's doorbell,
 bound to its transport's host and port, so it matches the peer's ``PeerAddr``. What the
 doorbells save: ``python -m bench.poll_cost`` against ``--no-doorbell``.
