@@ -16,7 +16,6 @@ Envelope: ``SEAL_MAGIC | ts_ms u64 | nonce 16 B | tag 32 B | body``. The tag cov
 from __future__ import annotations
 
 import base64
-import hashlib
 import heapq
 import hmac
 import struct
@@ -65,13 +64,10 @@ def check_key(key: bytes) -> bytes:
 
 
 def _tag(key: bytes, domain: bytes, stamp: bytes, aad: bytes, body: bytes) -> bytes:
-    mac = hmac.new(key, domain, hashlib.sha256)
-    # Lengths first: (aad, body) pairs cannot be re-split into another valid pair.
-    mac.update(struct.pack("!BII", 0, len(aad), len(body)))
-    mac.update(stamp)
-    mac.update(aad)
-    mac.update(body)
-    return mac.digest()
+    # Lengths first: (aad, body) pairs cannot be re-split into another valid pair. One-shot
+    # hmac.digest (OpenSSL, no HMAC object) is the cheapest call per message.
+    lengths = struct.pack("!BII", 0, len(aad), len(body))
+    return hmac.digest(key, b"".join((domain, lengths, stamp, aad, body)), "sha256")
 
 
 def seal(key: bytes, domain: bytes, body: bytes, stamp: Stamp, aad: bytes = b"") -> bytes:
