@@ -42,7 +42,7 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
-from connector.transfer.spans import emit_first_token, engine_tracer
+from connector.transfer.spans import emit_first_token, emit_leg_rejected, engine_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +118,36 @@ class SchedulerSide:
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
                 self._reqs[rid] = _Req(request, lc.start(lc.PrefillLegAdded(rid)), prefill=leg)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
-                self._trust.check(dleg, time.time_ns() // 1_000_000)  # before any dial
+                try:
+                    self._trust.check(dleg, time.time_ns() // 1_000_000)  # before any dial
+                except UntrustedLeg as exc:
+                    self._untrusted(rid, dleg, exc)
+                    raise
                 self._reqs[rid] = _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=dleg)
         except UntrustedLeg as exc:
-            # Never dialed: computed locally; logged 1st, 2nd, 4th... (a flood stays quiet).
-            self.untrusted_legs += 1
-            n = self.untrusted_legs
-            if n & (n - 1) == 0:
-                logger.warning("Request %s: %s; computing it locally (%d so far)", rid, exc, n)
             self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
             self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
+
+    def _untrusted(self, rid: str, leg: DecodeLeg, exc: UntrustedLeg) -> None:
+        """Never dialed, computed locally: logged 1st, 2nd, 4th... (a flood stays quiet),
+        and a ``leg_rejected`` span in the request's trace."""
+        self.untrusted_legs += 1
+        n = self.untrusted_legs
+        if n & (n - 1) == 0:
+            logger.warning("Request %s: %s; computing it locally (%d so far)", rid, exc, n)
+        emit_leg_rejected(
+            self._tracer,
+            leg.trace(),
+            transfer_id=leg.transfer_id,
+            request_id=rid,
+            engine_id=self.engine_id,
+            peer=f"{leg.remote_host}:{leg.remote_port}",
+            reason=str(exc),
+            at_ns=time.time_ns(),
+        )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

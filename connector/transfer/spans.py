@@ -305,6 +305,37 @@ def emit_first_token(
     )
 
 
+def emit_leg_rejected(
+    tracer: Any,
+    trace: TraceContext | None,
+    *,
+    transfer_id: str,
+    request_id: str,
+    engine_id: str,
+    peer: str,
+    reason: str,
+    at_ns: int,
+) -> None:
+    """D: a decode leg whose P coordinates D does not trust (docs/security.md); D computes
+    the prompt itself and dials nothing. An instant, in error, with the reason."""
+    if tracer is None:
+        return
+    emit(
+        tracer,
+        Span.LEG_REJECTED,
+        parent=_parent(trace),
+        start_ns=at_ns,
+        end_ns=at_ns,
+        attributes={
+            Attr.TRANSFER_ID: transfer_id,
+            Attr.REQUEST_ID: request_id,
+            Attr.ENGINE_ID: engine_id,
+            Attr.PEER: peer,
+        },
+        error=reason,
+    )
+
+
 def engine_tracer(engine_id: str, *, producer: bool) -> Any:
     """The tracer of a vLLM engine process (scheduler or worker), or None when tracing is
     off. P's processes are ``pushkv-prefill``, D's ``pushkv-decode`` (OTEL_SERVICE_NAME
