@@ -5,17 +5,20 @@ nothing lands, nothing crashes, and the counters show what was dropped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from test_push_loopback import check_bytes, run_transfer
+from test_push_loopback import (
+    check_bytes,
+    cluster,  # noqa: F401 (a fixture: `ranks` below uses it)
+    run_transfer,
+)
 
 from connector.core import events as ev
 from connector.core.messages import FailReason
 from connector.core.state import SenderPolicy
-from connector.tools.loopback import RankProcess, RankSpec, expected_event
-from connector.tools.stack import free_port
+from connector.tools.loopback import RankProcess, expected_event
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -26,26 +29,17 @@ BLOCKS = dict(p_blocks=(1, 2, 3, 9), d_blocks=(7, 3, 12, 5), num_tokens=60)
 
 
 @pytest.fixture
-def cluster() -> Iterator[Callable[..., RankProcess]]:
-    started: list[RankProcess] = []
-
-    def start(role: str, engine: str, **kw: object) -> RankProcess:
-        proc = RankProcess(RankSpec(role, engine, 0, 1, free_port(), **kw))  # type: ignore[arg-type]
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
-    assert not any(p.proc.is_alive() for p in started)
+def ranks(request: pytest.FixtureRequest) -> Callable[..., RankProcess]:
+    """test_push_loopback's ``cluster``: ranks started here are stopped by PID at teardown."""
+    return request.getfixturevalue("cluster")  # type: ignore[no-any-return]
 
 
 def auth_drops(counters: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in counters.items() if "auth" in k and v}
 
 
-def test_matching_secrets_push_the_same_bytes(cluster: Callable[..., RankProcess]) -> None:
-    p, d = cluster("P", "prefill", secret=KEY), cluster("D", "decode", secret=KEY)
+def test_matching_secrets_push_the_same_bytes(ranks: Callable[..., RankProcess]) -> None:
+    p, d = ranks("P", "prefill", secret=KEY), ranks("D", "decode", secret=KEY)
     run_transfer([p], [d], tid="s-1", **BLOCKS)
     check_bytes([p], [d], **BLOCKS)
     for rank in (p, d):
@@ -64,13 +58,13 @@ def test_matching_secrets_push_the_same_bytes(cluster: Callable[..., RankProcess
     ids=["other-secret", "d-without", "p-without"],
 )
 def test_mismatched_secrets_fail_definitely(
-    cluster: Callable[..., RankProcess],
+    ranks: Callable[..., RankProcess],
     p_secret: bytes | None,
     d_secret: bytes | None,
     p_drop: str,
 ) -> None:
-    p = cluster("P", "prefill", secret=p_secret, send_policy=SenderPolicy(lease_ns=1_500 * MS))
-    d = cluster("D", "decode", secret=d_secret, dial_timeout_s=1.0)
+    p = ranks("P", "prefill", secret=p_secret, send_policy=SenderPolicy(lease_ns=1_500 * MS))
+    d = ranks("D", "decode", secret=d_secret, dial_timeout_s=1.0)
     tid, nt = "s-bad", BLOCKS["num_tokens"]
     d.submit(expected_event(tid, [p.spec], d.spec, BLOCKS["d_blocks"], nt))  # type: ignore[arg-type]
     p.submit(ev.PrefillDone(tid, f"preq-{tid}", (BLOCKS["p_blocks"],), nt))  # type: ignore[arg-type]
