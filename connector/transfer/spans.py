@@ -296,13 +296,15 @@ def emit_first_token(
         end_ns=out_ns,
         events=[(Event.SCHEDULED, scheduled_ns)],
         attributes={
-            Attr.TRANSFER_ID: transfer_id,
-            Attr.REQUEST_ID: request_id,
-            Attr.ENGINE_ID: engine_id,
+            **_request_attrs(transfer_id, request_id, engine_id),
             Attr.LOCAL_TOKENS: local_tokens,
         },
         error=error,
     )
+
+
+def _request_attrs(transfer_id: str, request_id: str, engine_id: str) -> dict[Attr, Any]:
+    return {Attr.TRANSFER_ID: transfer_id, Attr.REQUEST_ID: request_id, Attr.ENGINE_ID: engine_id}
 
 
 def emit_leg_rejected(
@@ -326,12 +328,7 @@ def emit_leg_rejected(
         parent=_parent(trace),
         start_ns=at_ns,
         end_ns=at_ns,
-        attributes={
-            Attr.TRANSFER_ID: transfer_id,
-            Attr.REQUEST_ID: request_id,
-            Attr.ENGINE_ID: engine_id,
-            Attr.PEER: peer,
-        },
+        attributes={**_request_attrs(transfer_id, request_id, engine_id), Attr.PEER: peer},
         error=reason,
     )
 

@@ -22,17 +22,18 @@ from connector.kv_params import (
 KEY = b"s" * 32
 NOW = 1_700_000_000_000
 TTL = 60_000
-D: dict[str, Any] = {
-    "do_remote_prefill": True,
-    "transfer_id": "t-1",
-    "remote_engine_id": "prefill",
-    "remote_host": "10.0.0.5",
-    "remote_port": 5000,
-    "remote_tp_size": 2,
-    "remote_ports": [5000, 5001],
-    "remote_agents": ["prefill-tp0-a", "prefill-tp1-a"],
-    "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-}
+# A D leg from P engine "prefill" at 10.0.0.5, TP 2 (ranks on ports 5000 and 5001).
+D: dict[str, Any] = dict(
+    do_remote_prefill=True,
+    transfer_id="t-1",
+    remote_engine_id="prefill",
+    remote_host="10.0.0.5",
+    remote_port=5000,
+    remote_tp_size=2,
+    remote_ports=[5000, 5001],
+    remote_agents=["prefill-tp0-a", "prefill-tp1-a"],
+    traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+)
 
 
 # -- the secret --------------------------------------------------------------------------
