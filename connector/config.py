@@ -85,7 +85,10 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trusted_prefill: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # never print an inline secret in a log line
-        return f"PushkvConfig(auth={'on' if self.authenticated else 'off'}, ...)"
+        fields = msgspec.structs.asdict(self)
+        if fields["auth_secret"]:
+            fields["auth_secret"] = "<hidden>"
+        return f"PushkvConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
     @property
     def authenticated(self) -> bool:
