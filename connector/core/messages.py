@@ -7,6 +7,7 @@ A frame is ``MAGIC`` followed by a msgpack map. Every map carries ``version`` an
 the codec reads those two first so an unknown version is told apart from a malformed body.
 Decoding is strict: unknown fields, wrong types, out-of-range numbers, oversized frames
 and unknown versions all raise ``RemoteProtocolError``; callers drop and count them.
+With the P/D secret (a ``key`` argument) a frame travels sealed (``core/auth.py``).
 """
 
 from __future__ import annotations
