@@ -3,11 +3,13 @@ loopback, synthetic KV, ``connector.tools.loopback``) while D waits for KV that 
 and per transfer in a paced stream shaped like the serving benchmark's (a registration
 every 20 ms, its prefill done 30 ms later, so transfers overlap).
 
-Run: python -m bench.poll_cost [--transfers 150] [--no-doorbell]
+Run: python -m bench.poll_cost [--transfers 150] [--no-doorbell] [--secret]
 Prints one line per measurement (CPU per transfer and each transfer's latency from P's
 prefill done to D counting its KV, then D's CPU while it waits); compare with and without
-``--no-doorbell`` (doorbells: ``connector/transfer/doorbell.py``). CPU is the whole rank
-process (its transfer thread and the command loop that feeds it), from ``getrusage``.
+``--no-doorbell`` (doorbells: ``connector/transfer/doorbell.py``), and with ``--secret``
+(every message and ring sealed: docs/security.md) to see what authentication costs. CPU
+is the whole rank process (its transfer thread and the command loop that feeds it), from
+``getrusage``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -83,17 +86,24 @@ def main() -> int:
     ap.add_argument("--transfers", type=int, default=150)
     ap.add_argument("--seconds", type=float, default=3.0, help="length of each CPU interval")
     ap.add_argument("--no-doorbell", action="store_true")
+    ap.add_argument("--secret", action="store_true", help="P and D share a random secret")
     args = ap.parse_args()
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     bell = not args.no_doorbell
-    p = RankProcess(RankSpec("P", "p", 0, 1, free_port(), num_blocks=256, doorbell=bell))
-    d = RankProcess(RankSpec("D", "d", 0, 1, free_port(), num_blocks=256, doorbell=bell))
+    key = secrets.token_bytes(32) if args.secret else None
+    p = RankProcess(
+        RankSpec("P", "p", 0, 1, free_port(), num_blocks=256, doorbell=bell, secret=key)
+    )
+    d = RankProcess(
+        RankSpec("D", "d", 0, 1, free_port(), num_blocks=256, doorbell=bell, secret=key)
+    )
     try:
         p_us, d_us, wall, latency = paced_stream(p, d, args.transfers)
         lat = sorted(latency)
         print(
-            f"doorbells {'on' if bell else 'off'}: {args.transfers} overlapping transfers in "
+            f"doorbells {'on' if bell else 'off'}, secret {'on' if key else 'off'}: "
+            f"{args.transfers} overlapping transfers in "
             f"{wall:.1f} s: P {1000 * p_us:.2f} ms of CPU per transfer, D {1000 * d_us:.2f} ms; "
             f"prefill done -> D has the KV: median {1000 * statistics.median(lat):.2f} ms, "
             f"p90 {1000 * lat[int(0.9 * (len(lat) - 1))]:.2f} ms"

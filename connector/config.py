@@ -1,15 +1,18 @@
 """``kv_connector_extra_config`` parsed once into a validated, frozen ``PushkvConfig``.
 
 Owns: every pushkv knob, its default and its check. No other module reads raw config
-dicts or environment variables for pushkv settings. Pure: msgspec and the pure polling policy only.
+dicts or environment variables for pushkv settings. Pure (msgspec and the pure polling policy
+only), except ``load_secret``, which reads the secret's file or environment variable.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from connector.core.auth import MIN_KEY_BYTES
 from connector.core.errors import ConfigError
 from connector.core.state import ReceiverPolicy, SenderPolicy
 from connector.transfer.polling import Backoff
@@ -74,6 +77,28 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # instead of ~1 %, ``python -m bench.gpu_paths``); "direct" always uses descriptors;
     # "ipc" copies whenever D's KV can be mapped (benchmarks, tests).
     xfer_paths: Literal["auto", "direct", "ipc"] = "auto"
+    # Security (docs/security.md). The P/D plane's shared secret: a file holding it, the
+    # name of an environment variable holding it, or (only where this config is not on a
+    # command line) the secret itself. Unset: the P/D plane is unauthenticated.
+    auth_secret_file: str = ""
+    auth_secret_env: str = ""
+    auth_secret: str = ""
+    # How old (or, for clock skew, how far ahead) a sealed message may be; also how long
+    # its stamp is remembered against replays. Longer than write_timeout_s: a completion
+    # is sealed when its WRITE is posted.
+    auth_window_s: Seconds = 120.0
+    # D: P addresses it dials without the router's signature ("host" or "host:port").
+    trusted_prefill: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:  # never print an inline secret in a log line
+        fields = msgspec.structs.asdict(self)
+        if fields["auth_secret"]:
+            fields["auth_secret"] = "<hidden>"
+        return f"PushkvConfig({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.auth_secret_file or self.auth_secret_env or self.auth_secret)
 
     def idle_poll_s(self, doorbell: bool) -> float:
         """The transfer thread's idle poll: long with a doorbell, short without."""
@@ -125,4 +150,31 @@ def parse_config(extra: dict[str, Any] | None) -> PushkvConfig:
         raise ConfigError(
             "write_timeout_s must be shorter than receive_timeout_s, so P answers before D gives up"
         )
+    load_secret(cfg)  # a missing file or variable must show at start-up
+    if cfg.auth_window_s <= cfg.write_timeout_s:
+        raise ConfigError("auth_window_s must be longer than write_timeout_s")
     return cfg
+
+
+def load_secret(cfg: PushkvConfig) -> bytes | None:
+    """The P/D plane's shared secret from the one place the config names, or None."""
+    given = [k for k in ("auth_secret_file", "auth_secret_env", "auth_secret") if getattr(cfg, k)]
+    if len(given) > 1:
+        raise ConfigError(f"give the secret in one place only, not {given}")
+    raw: str | bytes | None = cfg.auth_secret or None
+    if cfg.auth_secret_env:
+        raw = os.environ.get(cfg.auth_secret_env)
+        if not raw:
+            raise ConfigError(f"auth_secret_env: ${cfg.auth_secret_env} is unset or empty")
+    elif cfg.auth_secret_file:
+        try:
+            with open(cfg.auth_secret_file, "rb") as f:
+                raw = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"auth_secret_file: {exc}") from None
+    if raw is None:
+        return None
+    key = raw.encode() if isinstance(raw, str) else raw
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"the pushkv secret needs at least {MIN_KEY_BYTES} bytes")
+    return key

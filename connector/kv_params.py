@@ -4,14 +4,19 @@ Owns: the strict schemas of the prefill leg (P), the decode leg (D) and the prob
 their parsing from the free-form dict vLLM hands over. Pure (msgspec only): the router
 builds legs with these structs, the scheduler side parses them, and a malformed dict
 becomes a ``KvParamsError`` with a message a user can act on, never an engine crash.
+Also the trust in a D leg's P coordinates (docs/security.md): the router signs them for
+one transfer id with a bounded lifetime (``sign_decode_params``), D checks the signature
+or its allowlist (``LegTrust``) before it dials anything.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 
+from connector.core import auth
 from connector.core.messages import Host, Name, Port, TpSize, TraceContext, TransferId
 
 Traceparent = Annotated[
@@ -49,6 +54,8 @@ class DecodeLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     remote_agents: Annotated[tuple[Name, ...], msgspec.Meta(max_length=4096)] = ()
     traceparent: Traceparent | None = None
     tracestate: Tracestate = ""
+    # The router's signature over the coordinates and transfer_id (``sign_decode_params``).
+    pushkv_sig: Annotated[str, msgspec.Meta(max_length=128)] = ""
 
     def port_of(self, p_rank: int) -> int:
         return self.remote_ports[p_rank] if self.remote_ports else self.remote_port + p_rank
@@ -76,6 +83,72 @@ class DecodeLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
             )
         if not self.remote_ports and self.remote_port + self.remote_tp_size - 1 > 65535:
             raise KvParamsError("remote_port + remote_tp_size runs past port 65535")
+
+
+MIN_SECRET_BYTES = auth.MIN_KEY_BYTES
+
+
+class UntrustedLeg(KvParamsError):
+    """A D leg names P coordinates D may not dial (no valid signature, not allowlisted)."""
+
+
+def _coords_payload(leg: DecodeLeg) -> bytes:
+    # Everything that decides whom D dials, and the transfer it is for.
+    return msgspec.json.encode(
+        [
+            leg.transfer_id,
+            leg.remote_engine_id,
+            leg.remote_host,
+            leg.remote_port,
+            leg.remote_tp_size,
+            leg.remote_ports,
+            leg.remote_agents,
+        ]
+    )
+
+
+def sign_decode_params(
+    params: dict[str, Any], key: bytes, now_ms: int, ttl_ms: int
+) -> dict[str, Any]:
+    """``params`` (a D leg) with ``pushkv_sig``: valid for ``ttl_ms`` from ``now_ms``."""
+    leg = _convert({k: v for k, v in params.items() if k != "pushkv_sig"}, DecodeLeg)
+    token = auth.sign_token(key, auth.COORDS, _coords_payload(leg), now_ms + ttl_ms)
+    return {**params, "pushkv_sig": token}
+
+
+@dataclass(frozen=True)
+class LegTrust:
+    """Which D legs' P coordinates D dials: signed by the router with ``key``, or on
+    the ``allowed`` list ("host", or "host:port" for every rank's port). Neither set:
+    any (the unauthenticated default)."""
+
+    key: bytes | None = None
+    allowed: frozenset[str] = frozenset()
+
+    @property
+    def open(self) -> bool:
+        return self.key is None and not self.allowed
+
+    def check(self, leg: DecodeLeg, now_ms: int) -> None:
+        """Return if D may dial ``leg``'s coordinates; UntrustedLeg saying why not."""
+        if self.open or self._allowlisted(leg):
+            return
+        where = f"{leg.remote_host}:{leg.remote_port}"
+        if self.key is None:
+            raise UntrustedLeg(f"prefill coordinates {where} are not in trusted_prefill")
+        try:
+            auth.verify_token(self.key, auth.COORDS, _coords_payload(leg), leg.pushkv_sig, now_ms)
+        except auth.AuthError as exc:
+            listed = " and not in trusted_prefill" if self.allowed else ""
+            raise UntrustedLeg(
+                f"prefill coordinates {where}: no valid router signature ({exc}){listed}"
+            ) from None
+
+    def _allowlisted(self, leg: DecodeLeg) -> bool:
+        if leg.remote_host in self.allowed:
+            return True
+        ports = {leg.port_of(r) for r in range(leg.remote_tp_size)}
+        return all(f"{leg.remote_host}:{p}" in self.allowed for p in ports)
 
 
 def agent_name(engine_id: str, rank: int, incarnation: str = "") -> str:

@@ -25,7 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.config import parse_config
+from connector.config import load_secret, parse_config
+from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
@@ -33,6 +34,22 @@ from connector.scheduler_side import SchedulerSide
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _log_security(trust: LegTrust, consumer: bool) -> None:
+    """Say plainly at start-up what the P/D plane trusts (docs/security.md)."""
+    if trust.key is None:
+        logger.warning(
+            "pushkv: the P/D plane is UNAUTHENTICATED (no auth_secret_file/auth_secret_env/"
+            "auth_secret): anyone who reaches the side-channel ports is taken as a peer"
+        )
+    else:
+        logger.info("pushkv: P/D plane messages are authenticated with the shared secret")
+    if consumer and trust.open:
+        logger.warning(
+            "pushkv: D dials any P a decode leg names (set a secret, so only router-signed "
+            "coordinates are dialed, or trusted_prefill)"
+        )
 
 
 def _adopt_vllm_logging() -> None:
@@ -83,7 +100,11 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer)
+            trust = LegTrust(load_secret(self._cfg), frozenset(self._cfg.trusted_prefill))
+            _log_security(trust, ktc.is_kv_consumer)
+            self._sched = SchedulerSide(
+                ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer, trust
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -34,13 +34,15 @@ from connector.kv_params import (
     Coordinates,
     DecodeLeg,
     KvParamsError,
+    LegTrust,
     PrefillLeg,
+    UntrustedLeg,
     is_probe,
     parse_decode_leg,
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
-from connector.transfer.spans import emit_first_token, engine_tracer
+from connector.transfer.spans import emit_first_token, emit_leg_rejected, engine_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,16 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, engine_id: str, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        is_producer: bool,
+        is_consumer: bool,
+        trust: LegTrust | None = None,
+    ) -> None:
         self.engine_id = engine_id
+        self._trust = trust or LegTrust()  # D: whose P coordinates a decode leg may name
+        self.untrusted_legs = 0
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self._reqs: dict[str, _Req] = {}
         self._step = StepPlan()
@@ -108,11 +118,36 @@ class SchedulerSide:
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
                 self._reqs[rid] = _Req(request, lc.start(lc.PrefillLegAdded(rid)), prefill=leg)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
+                try:
+                    self._trust.check(dleg, time.time_ns() // 1_000_000)  # before any dial
+                except UntrustedLeg as exc:
+                    self._untrusted(rid, dleg, exc)
+                    raise
                 self._reqs[rid] = _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=dleg)
+        except UntrustedLeg as exc:
+            self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
             self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
+
+    def _untrusted(self, rid: str, leg: DecodeLeg, exc: UntrustedLeg) -> None:
+        """Never dialed, computed locally: logged 1st, 2nd, 4th... (a flood stays quiet),
+        and a ``leg_rejected`` span in the request's trace."""
+        self.untrusted_legs += 1
+        n = self.untrusted_legs
+        if n & (n - 1) == 0:
+            logger.warning("Request %s: %s; computing it locally (%d so far)", rid, exc, n)
+        emit_leg_rejected(
+            self._tracer,
+            leg.trace(),
+            transfer_id=leg.transfer_id,
+            request_id=rid,
+            engine_id=self.engine_id,
+            peer=f"{leg.remote_host}:{leg.remote_port}",
+            reason=str(exc),
+            at_ns=time.time_ns(),
+        )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

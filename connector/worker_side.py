@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from connector.config import PushkvConfig
+from connector.config import PushkvConfig, load_secret
 from connector.core import events as ev
 from connector.core.errors import LayoutError
 from connector.core.heads import head_range
@@ -25,6 +25,7 @@ from connector.kv_params import agent_name
 from connector.kv_tensors import block_row_views, describe_kv_caches
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
+from connector.transfer.guard import Guard
 from connector.transfer.peers import Peers
 from connector.transfer.receiver import Receiver
 from connector.transfer.sender import Sender
@@ -85,10 +86,20 @@ class WorkerSide:
             else free_port(host)
         )
         name = agent_name(self.engine_id, self.tp_rank, uuid.uuid4().hex[:8])
-        self._transport = NixlTransport(name, listen_host=host, listen_port=port)
+        secret = load_secret(self.cfg)
+        guard = Guard(secret, self.cfg.auth_window_s)
+        self._transport = NixlTransport(
+            name,
+            listen_host=host,
+            listen_port=port,
+            secret=secret,
+            auth_window_s=self.cfg.auth_window_s,
+        )
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
         bell = (
-            Doorbell.open(host, self._transport.listen_address[1]) if self.cfg.doorbells else None
+            Doorbell.open(host, self._transport.listen_address[1], guard)
+            if self.cfg.doorbells
+            else None
         )
         peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9), bell=bell)
         me = RankInfo(
@@ -107,10 +118,17 @@ class WorkerSide:
                 self.cfg.sender_policy(),
                 spans=spans,
                 paths=paths,
+                guard=guard,
             )
         if self.is_consumer:
             receiver = Receiver(
-                me, layout, peers, self.cfg.receiver_policy(), spans=spans, offer=offer
+                me,
+                layout,
+                peers,
+                self.cfg.receiver_policy(),
+                spans=spans,
+                offer=offer,
+                guard=guard,
             )
         self.thread = TransferThread(
             self._transport,
@@ -120,11 +138,13 @@ class WorkerSide:
             name=f"pushkv-{name}",
             bell=bell,
             backoff=self.cfg.backoff(bell is not None),
+            guard=guard,
         )
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info(
-            "pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d",
+            "pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d, "
+            + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
             name,
             len(layout.regions),
             layout.num_blocks,

@@ -58,6 +58,7 @@ class Span(str, Enum):
     REGISTER = "pushkv.register"  # blocks allocated -> registration sent
     AWAIT_KV = "pushkv.await_kv"  # registration sent -> last completion counted
     FIRST_TOKEN = "pushkv.first_token"  # KV complete -> first token scheduled out
+    LEG_REJECTED = "pushkv.leg_rejected"  # an untrusted decode leg: computed locally (instant)
     # P
     PREFILL = "pushkv.prefill"  # request arrival -> prompt KV complete (engine timestamps)
     RENDEZVOUS_WAIT = "pushkv.rendezvous_wait"  # first of registration/prefill -> second

@@ -7,6 +7,7 @@ A frame is ``MAGIC`` followed by a msgpack map. Every map carries ``version`` an
 the codec reads those two first so an unknown version is told apart from a malformed body.
 Decoding is strict: unknown fields, wrong types, out-of-range numbers, oversized frames
 and unknown versions all raise ``RemoteProtocolError``; callers drop and count them.
+With the P/D secret (a ``key`` argument) a frame travels sealed (``core/auth.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated, Final
 
 import msgspec
 
+from connector.core import auth
 from connector.core.errors import RemoteProtocolError
 from connector.core.layout import KVLayout
 
@@ -168,13 +170,34 @@ _header_decoder = msgspec.msgpack.Decoder(_Header)
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg: Message) -> bytes:
-    """Frame a message for the wire."""
-    return MAGIC + _encoder.encode(msg)
+def encode(msg: Message, key: bytes | None = None, stamp: auth.Stamp | None = None) -> bytes:
+    """Frame a message for the wire; with a ``key``, sealed (``core/auth.py``) with ``stamp``."""
+    frame = MAGIC + _encoder.encode(msg)
+    if key is None:
+        return frame
+    if stamp is None:
+        raise ValueError("a sealed message needs a stamp")
+    return auth.seal(key, auth.NOTIF, frame, stamp)
 
 
-def decode(frame: bytes) -> Message:
-    """Parse one frame strictly; raise RemoteProtocolError on anything but a valid message."""
+def decode(
+    frame: bytes,
+    key: bytes | None = None,
+    *,
+    now_ms: int = 0,
+    replay: auth.ReplayWindow | None = None,
+) -> Message:
+    """Parse one frame strictly; raise RemoteProtocolError on anything but a valid message.
+    With a ``key`` the frame must be sealed with it, fresh and (``replay``) new: else
+    ``auth.AuthError``. Without one a sealed frame is refused too (mismatched config)."""
+    if len(frame) > MAX_FRAME_BYTES + auth.OVERHEAD:
+        raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    if key is not None:
+        if replay is None:
+            raise ValueError("a sealed message is opened with a replay window")
+        frame, _ = auth.unseal(key, auth.NOTIF, frame, now_ms, replay.window_ms, replay=replay)
+    elif auth.is_sealed(frame):
+        raise auth.AuthError("unexpected", "sealed frame, but no secret is configured here")
     if len(frame) > MAX_FRAME_BYTES:
         raise RemoteProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     if not frame.startswith(MAGIC):
@@ -194,4 +217,4 @@ def decode(frame: bytes) -> Message:
 
 def is_frame(data: bytes) -> bool:
     """Cheap check used to route notifications that are not ours (e.g. another connector's)."""
-    return data.startswith(MAGIC)
+    return data.startswith(MAGIC) or auth.is_sealed(data)

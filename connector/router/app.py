@@ -24,12 +24,14 @@ from typing import Any, Final
 import anyio
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from connector.router import legs
+from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Lease, Role
 from connector.router.config import RouterConfig, parse_args
 from connector.router.relay import SSE_DONE, Dispatch, Retry, from_exception, send_error
@@ -53,14 +55,19 @@ class RouterState:
         self.retries: Counter[str] = Counter()  # attempts retried, by the failed leg's role
         self.degraded = 0  # requests sent to D alone while no P was usable
         self.router_errors = 0  # requests answered 502 for an exception of the router's own
+        self.unauthorized = 0  # requests answered 401: no or a wrong API key
 
     async def start(self) -> None:
         await self.backends.start()
+        c = self.config
         logger.info(
-            "router up: mode=%s prefill=%s decode=%s",
-            self.config.mode.value,
-            list(self.config.prefill_urls),
-            list(self.config.decode_urls),
+            "router up: mode=%s prefill=%s decode=%s; API key %s; backend key %s; P coordinates %s",
+            c.mode.value,
+            list(c.prefill_urls),
+            list(c.decode_urls),
+            "required" if c.api_key else "NOT required (anyone reaching the port is served)",
+            "set" if c.backend_api_key else "none",
+            "signed" if c.auth_secret else "unsigned",
         )
 
     async def stop(self) -> None:
@@ -79,6 +86,7 @@ class RouterState:
                 "retried": {"total": sum(self.retries.values()), **self.retries},
                 "degraded": self.degraded,
                 "router_errors": self.router_errors,
+                "unauthorized": self.unauthorized,
             },
             "background_prefill_legs": len(self.background),
             **self.backends.stats(),
@@ -209,6 +217,12 @@ class ProxyEndpoint:
                 tg.cancel_scope.cancel()
         return None  # the client left
 
+    def _forwarded_authorization(self, request: Request) -> str | None:
+        """The client's header goes to the backends only while the router has no keys of
+        its own: with ``--api-key`` it holds the router's key, and a backend key replaces it."""
+        c = self.state.config
+        return None if c.api_key or c.backend_api_key else request.headers.get("authorization")
+
     def _route(self, failed: dict[Role, set[int]]) -> tuple[Lease | None, Lease | None]:
         """P and D for the next attempt, avoiding the backends this request failed on. P is
         None with D set for a degraded attempt: no P usable at all, degraded mode on."""
@@ -265,7 +279,7 @@ class ProxyEndpoint:
                 d,
                 request_id=request_id,
                 trace=trace,
-                authorization=request.headers.get("authorization"),
+                authorization=self._forwarded_authorization(request),
                 background=state.background,
                 may_retry=attempt < max_attempts,
             )
@@ -342,7 +356,14 @@ def create_app(
     async def stats(_request: Request) -> Response:
         return JSONResponse(state.stats())
 
+    def rejected() -> None:
+        state.unauthorized += 1
+
+    gate = (
+        [Middleware(ApiKeyGate, key=config.api_key, on_reject=rejected)] if config.api_key else []
+    )
     app = Starlette(
+        middleware=gate,
         routes=[
             Route(
                 "/v1/completions", ProxyEndpoint(state, legs.Endpoint.COMPLETIONS), methods=["POST"]

@@ -142,6 +142,10 @@ class Backends:
                 ),
                 # Never route P/D traffic through an HTTP(S)_PROXY from the environment.
                 trust_env=False,
+                # The backends' own API key (vLLM --api-key), never the client's.
+                headers=(
+                    {"Authorization": f"Bearer {c.backend_api_key}"} if c.backend_api_key else None
+                ),
             )
         await self.check_all()
         self._loop_task = asyncio.create_task(self._health_loop(), name="pushkv-router-health")

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec import structs
 
 from connector.core.errors import ConfigError
-from connector.kv_params import Coordinates
+from connector.kv_params import MIN_SECRET_BYTES, Coordinates
+
+# Environment variables the router reads (docs/security.md): secrets stay off command lines.
+ENV_API_KEY = "PUSHKV_ROUTER_API_KEY"
+ENV_BACKEND_API_KEY = "PUSHKV_BACKEND_API_KEY"
+ENV_AUTH_SECRET = "PUSHKV_AUTH_SECRET"
 
 
 class Mode(enum.Enum):
@@ -120,6 +126,13 @@ class RouterConfig:
     # every P costs latency, not availability. False: answer 503 instead.
     degraded: bool = True
     log_level: str = "info"
+    # Security (docs/security.md): the key clients must send (Bearer), the key the router
+    # sends the backends, the P/D plane's shared secret (signs P's coordinates in D's leg)
+    # and how long such a signature stays valid.
+    api_key: str | None = field(default=None, repr=False)
+    backend_api_key: str | None = field(default=None, repr=False)
+    auth_secret: bytes | None = field(default=None, repr=False)
+    coords_ttl_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.prefill_urls:
@@ -141,9 +154,12 @@ class RouterConfig:
             "health_timeout_s",
             "probe_timeout_s",
             "keepalive_expiry_s",
+            "coords_ttl_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.auth_secret is not None and len(self.auth_secret) < MIN_SECRET_BYTES:
+            raise ConfigError(f"the P/D secret needs at least {MIN_SECRET_BYTES} bytes")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be >= 1")
         if self.max_attempts < 1:
@@ -231,7 +247,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="while no P is healthy, send requests to D whole (D computes the prompt)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s = p.add_argument_group("security (docs/security.md)")
+    s.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"clients must send 'Authorization: Bearer KEY' (every route but /health); "
+        f"default ${ENV_API_KEY}, which keeps it off the command line",
+    )
+    s.add_argument(
+        "--backend-api-key-file",
+        metavar="PATH",
+        help=f"file holding the backends' vLLM --api-key (default ${ENV_BACKEND_API_KEY})",
+    )
+    s.add_argument(
+        "--auth-secret-file",
+        metavar="PATH",
+        help=f"file holding the P/D plane's shared secret, to sign P's coordinates in D's "
+        f"leg (default ${ENV_AUTH_SECRET})",
+    )
+    s.add_argument("--coords-ttl", type=float, default=60.0, help="lifetime of those signatures, s")
     return p
+
+
+def _secret(path: str | None, env: str) -> str | None:
+    """A secret from ``path``'s file, else from ``$env``; None if neither is set."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+    return os.environ.get(env) or None
 
 
 def parse_args(argv: Sequence[str]) -> RouterConfig:
@@ -267,6 +313,12 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
             max_attempts=a.max_attempts,
             degraded=a.degraded,
             log_level=a.log_level,
+            api_key=a.api_key or os.environ.get(ENV_API_KEY) or None,
+            backend_api_key=_secret(a.backend_api_key_file, ENV_BACKEND_API_KEY),
+            auth_secret=(
+                s.encode() if (s := _secret(a.auth_secret_file, ENV_AUTH_SECRET)) else None
+            ),
+            coords_ttl_s=a.coords_ttl,
         )
     except ConfigError as exc:
         parser.error(str(exc))

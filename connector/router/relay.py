@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -32,6 +33,7 @@ import httpx
 from starlette.types import Send
 
 from connector.core.errors import PushkvError
+from connector.kv_params import sign_decode_params
 from connector.router import legs
 from connector.router.backends import Backend, Lease, Role
 from connector.router.config import Mode, RouterConfig
@@ -329,6 +331,14 @@ class Dispatch:
                 request_id=self.request_id,
                 coords=self.coords,
                 prefill_params=prefill_params,
+            )
+        secret = self.config.auth_secret
+        if secret is not None and self.p is not None and self.config.mode is Mode.PUSH:
+            body["kv_transfer_params"] = sign_decode_params(
+                body["kv_transfer_params"],
+                secret,
+                time.time_ns() // 1_000_000,
+                int(self.config.coords_ttl_s * 1000),
             )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
         return open_stream(

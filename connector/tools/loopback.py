@@ -59,6 +59,7 @@ class RankSpec:
     kv_layout: str | None = None
     dtype: str = "bfloat16"  # of the vLLM-shaped KV (bfloat16, float8_e4m3fn)
     xfer_paths: str = "auto"  # GPU: PushkvConfig.xfer_paths
+    secret: bytes | None = None  # the P/D plane's shared secret (docs/security.md)
 
     @property
     def agent(self) -> str:
@@ -170,11 +171,13 @@ class VllmKV:
 class RankCounters(NamedTuple):
     """One rank's counters, as its ``counters`` command returns them."""
 
-    thread: dict[str, int]  # the transfer thread's, its doorbell's prefixed ``bell_``
+    thread: dict[str, int]  # the transfer thread's, its doorbell's prefixed ``bell_``, and
+    #                         its guard's (``auth_<reason>``: refused notifications and rings)
     endpoint: dict[str, int]  # the Sender's or Receiver's
     dropped: dict[str, int]  # messages its table dropped, by kind
     transfers: int  # transfers in its table
-    transport: dict[str, int]  # NixlTransport's metadata loads, by outcome
+    transport: dict[str, int]  # NixlTransport's metadata loads, by outcome; its side
+    #                            channel's counters prefixed ``side_``
 
 
 def torch_int64() -> Any:
@@ -191,6 +194,7 @@ def _cpu_seconds() -> float:
 def rank_main(conn: Connection, spec: RankSpec) -> None:
     """Child process: one rank, commanded over ``conn`` until ("stop",)."""
     from connector.transfer.doorbell import Doorbell
+    from connector.transfer.guard import Guard
     from connector.transfer.peers import Peers
     from connector.transfer.receiver import Receiver
     from connector.transfer.sender import Sender
@@ -201,8 +205,9 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     kv = VllmKV(spec) if spec.kv_layout else None
     buf = spec.allocate() if kv is None else kv.raw
     layout = spec.layout(buf) if kv is None else kv.layout
-    transport = NixlTransport(spec.agent, listen_port=spec.port)
+    transport = NixlTransport(spec.agent, listen_port=spec.port, secret=spec.secret)
     transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
+    guard = Guard(spec.secret)
     paths: Any = None
     offer: Any = None
     if kv is not None and layout.mem_type == "VRAM":  # as WorkerSide._gpu_paths
@@ -219,7 +224,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             consumer=spec.role == "D",
             mode=spec.xfer_paths,  # type: ignore[arg-type]
         )
-    bell = Doorbell.open("127.0.0.1", spec.port) if spec.doorbell else None
+    bell = Doorbell.open("127.0.0.1", spec.port, guard) if spec.doorbell else None
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
@@ -234,12 +239,19 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             spec.send_policy,
             on_write_finished=reports.append,
             paths=paths,
+            guard=guard,
         )
         thread = TransferThread(
-            transport, peers, sender=sender, name=f"pushkv-{spec.agent}", bell=bell, backoff=backoff
+            transport,
+            peers,
+            sender=sender,
+            name=f"pushkv-{spec.agent}",
+            bell=bell,
+            backoff=backoff,
+            guard=guard,
         )
     else:
-        receiver = Receiver(me, layout, peers, spec.recv_policy, offer=offer)
+        receiver = Receiver(me, layout, peers, spec.recv_policy, offer=offer, guard=guard)
         thread = TransferThread(
             transport,
             peers,
@@ -247,6 +259,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             name=f"pushkv-{spec.agent}",
             bell=bell,
             backoff=backoff,
+            guard=guard,
         )
     thread.start()
     conn.send(("ready", os.getpid()))
@@ -304,11 +317,14 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
                 assert endpoint is not None  # every rank runs one of the two
                 bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
                 counters = RankCounters(
-                    thread={**thread.counters, **bells},
+                    thread={**thread.counters, **bells, **guard.counters},
                     endpoint=dict(endpoint.counters),
                     dropped=dict(endpoint.table.dropped),
                     transfers=len(endpoint.table),
-                    transport=dict(transport.counters),
+                    transport={
+                        **transport.counters,
+                        **{f"side_{k}": v for k, v in transport.side_channel_counters.items()},
+                    },
                 )
                 conn.send(("ok", counters))
             else:

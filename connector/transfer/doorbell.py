@@ -9,10 +9,12 @@ also sends one UDP datagram to our listen port number; our thread, asleep in ``w
 wakes and polls NIXL at once, and after a WRITE bell keeps polling
 (``connector.transfer.polling``) until that WRITE's completion is in (it may need our UCX
 progress). A bell is only a hint: it moves no data and decides nothing; a forged one
-costs polls for at most ``IncomingWrites.max_wait_s``. The thread still polls while it
-waits on a peer: every ``poll_bell_fallback_s`` while a peer it waits on has never rung
-it (a peer without doorbells, or one not heard from yet, is only slower), and every
-``poll_bell_trusted_s`` once each has (only a dropped datagram waits that long).
+costs polls for at most ``IncomingWrites.max_wait_s`` (with the P/D secret, rings are
+sealed by ``Guard`` and a forged one is ignored and counted as ``refused``). The
+thread still polls while it waits on a peer: every ``poll_bell_fallback_s`` while a peer
+it waits on has never rung it (a peer without doorbells, or one not heard from yet, is
+only slower), and every ``poll_bell_trusted_s`` once each has (only a dropped datagram
+waits that long).
 ``heard_from`` says who has rung: the datagram's source address is the ringer's doorbell,
 bound to its transport's host and port, so it matches the peer's ``PeerAddr``. What the
 doorbells save: ``python -m bench.poll_cost`` against ``--no-doorbell``.
@@ -33,6 +35,8 @@ import socket
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from connector.transfer.guard import Guard
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,10 @@ class Rings:
 
 
 class Doorbell:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, guard: Guard | None = None) -> None:
+        # With a secret, rings are sealed and unsealed ones ignored (a forged ring costs
+        # nothing then; without one it costs polls, bounded as above).
+        self._guard = guard if guard is not None else Guard()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._udp = socket.socket(family, socket.SOCK_DGRAM)
         try:
@@ -87,11 +94,11 @@ class Doorbell:
         self.counters: Counter[str] = Counter()
 
     @classmethod
-    def open(cls, host: str, port: int) -> Doorbell | None:
+    def open(cls, host: str, port: int, guard: Guard | None = None) -> Doorbell | None:
         """A doorbell on ``host:port``, or None (logged) if that UDP port is taken: the
         thread then polls as before."""
         try:
-            return cls(host, port)
+            return cls(host, port, guard)
         except OSError as exc:
             logger.warning(
                 "No doorbell on udp %s:%d (%s); polling every millisecond instead", host, port, exc
@@ -106,7 +113,7 @@ class Doorbell:
     def ring(self, host: str, port: int, what: bytes = MESSAGE) -> None:
         """Wake the transfer thread listening on ``host:port`` (fire and forget)."""
         try:
-            self._udp.sendto(what, (host, port))
+            self._udp.sendto(self._guard.seal_bell(what), (host, port))
             self.counters["rung"] += 1
         except OSError:  # full buffer, no route: the peer's fallback poll still runs
             self.counters["ring_failed"] += 1
@@ -136,6 +143,11 @@ class Doorbell:
                 if not data:
                     break
                 if sock is self._udp:
+                    opened = self._guard.open_bell(data)
+                    if opened is None:
+                        self.counters["refused"] += 1
+                        continue
+                    data = opened
                     self._note_ringer(source)
                     kind = data[:1]
                     if kind == WRITE:

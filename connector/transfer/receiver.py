@@ -22,6 +22,7 @@ from connector.core.errors import PeerDisconnected, TransportError
 from connector.core.layout import KVLayout
 from connector.core.receiver_table import ReceiverTable
 from connector.core.state import ReceiverPolicy
+from connector.transfer.guard import Guard
 from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
@@ -52,10 +53,12 @@ class Receiver:
         clock: Callable[[], int] = time.monotonic_ns,
         spans: Any = NO_SPANS,
         offer: m.IpcOffer | None = None,
+        guard: Guard | None = None,
     ) -> None:
         """``offer``: D's KV for mapping (GPU, ``connector.transfer.gpu.paths.make_offer``),
         sent to each P rank before the first registration; P may ignore it."""
         layout.validate()
+        self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._clock = clock
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
         self.me, self.layout, self.peers, self.policy = me, layout, peers, policy
@@ -127,7 +130,7 @@ class Receiver:
                 ids = a.transfer_ids
                 for i in range(0, len(ids), m.MAX_HEARTBEAT_IDS + 1):
                     chunk = ids[i : i + m.MAX_HEARTBEAT_IDS + 1]
-                    frame = m.encode(
+                    frame = self._codec.encode(
                         m.Heartbeat(
                             transfer_id=chunk[0],
                             more_ids=chunk[1:],
@@ -154,7 +157,7 @@ class Receiver:
                 raise TypeError(f"unknown receiver action {a!r}")
 
     def _cancel_frame(self, transfer_id: str, reason: m.FailReason) -> bytes:
-        return m.encode(
+        return self._codec.encode(
             m.Cancel(
                 transfer_id=transfer_id, d_rank=self.me.rank, d_addr=self.me.addr, reason=reason
             )
@@ -167,8 +170,10 @@ class Receiver:
             # Before the registration, on the same ordered path: P has it when it matches.
             self._offered.add(agent)
             offer = msgspec.structs.replace(self._offer, transfer_id=a.transfer_id)
-            self.peers.send(a.source.addr, m.encode(offer), now_ns, self._offer_failed(agent))
-        frame = m.encode(
+            self.peers.send(
+                a.source.addr, self._codec.encode(offer), now_ns, self._offer_failed(agent)
+            )
+        frame = self._codec.encode(
             m.Register(
                 transfer_id=a.transfer_id,
                 d_engine_id=self.me.engine_id,

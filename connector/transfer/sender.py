@@ -24,6 +24,7 @@ from connector.core.sender_table import SenderTable
 from connector.core.state import SenderPolicy
 from connector.core.xfer_path import PathChoice, XferPath
 from connector.transfer.doorbell import DONE, WRITE, write_key
+from connector.transfer.guard import Guard
 from connector.transfer.paths import Paths, PathWrite
 from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, PrefillNote
@@ -82,9 +83,11 @@ class Sender:
         on_write_finished: Callable[[WriteReport], None] | None = None,
         spans: Any = NO_SPANS,
         paths: Paths | None = None,
+        guard: Guard | None = None,
     ) -> None:
         """``paths``: the path driver (GPU); None sends every transfer direct."""
         layout.validate()
+        self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._t, self.me, self.layout, self.topology, self.peers = (
             transport,
             me,
@@ -210,7 +213,7 @@ class Sender:
             elif isinstance(a, ev.AbortWrite):
                 self._abort(a.transfer_id, now_ns)
             elif isinstance(a, ev.SendFail):
-                frame = m.encode(
+                frame = self._codec.encode(
                     m.Fail(transfer_id=a.transfer_id, p_rank=self.me.rank, reason=a.reason)
                 )
                 for addr in a.to:
@@ -232,7 +235,7 @@ class Sender:
         self._valid[layout] = None
 
     def _completion(self, tid: str, nbytes: int, descs: int) -> bytes:
-        return m.encode(
+        return self._codec.encode(
             m.Completion(
                 transfer_id=tid,
                 p_rank=self.me.rank,

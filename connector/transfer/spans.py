@@ -299,12 +299,40 @@ def emit_first_token(
         end_ns=out_ns,
         events=[(Event.SCHEDULED, scheduled_ns)],
         attributes={
-            Attr.TRANSFER_ID: transfer_id,
-            Attr.REQUEST_ID: request_id,
-            Attr.ENGINE_ID: engine_id,
+            **_request_attrs(transfer_id, request_id, engine_id),
             Attr.LOCAL_TOKENS: local_tokens,
         },
         error=error,
+    )
+
+
+def _request_attrs(transfer_id: str, request_id: str, engine_id: str) -> dict[Attr, Any]:
+    return {Attr.TRANSFER_ID: transfer_id, Attr.REQUEST_ID: request_id, Attr.ENGINE_ID: engine_id}
+
+
+def emit_leg_rejected(
+    tracer: Any,
+    trace: TraceContext | None,
+    *,
+    transfer_id: str,
+    request_id: str,
+    engine_id: str,
+    peer: str,
+    reason: str,
+    at_ns: int,
+) -> None:
+    """D: a decode leg whose P coordinates D does not trust (docs/security.md); D computes
+    the prompt itself and dials nothing. An instant, in error, with the reason."""
+    if tracer is None:
+        return
+    emit(
+        tracer,
+        Span.LEG_REJECTED,
+        parent=_parent(trace),
+        start_ns=at_ns,
+        end_ns=at_ns,
+        attributes={**_request_attrs(transfer_id, request_id, engine_id), Attr.PEER: peer},
+        error=reason,
     )
 
 

@@ -29,6 +29,7 @@ from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
 from connector.transfer.doorbell import Doorbell, IncomingWrites, Rings, write_key
+from connector.transfer.guard import Guard
 from connector.transfer.peers import Peers
 from connector.transfer.polling import Backoff
 from connector.transfer.receiver import Received, Receiver
@@ -112,9 +113,12 @@ class TransferThread:
         bell: Doorbell | None = None,
         backoff: Backoff | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
+        guard: Guard | None = None,
     ) -> None:
         """``backoff``: the polling policy (default: ``PushkvConfig``'s defaults for
-        this ``bell``, as ``PushkvConfig.backoff`` builds it)."""
+        this ``bell``, as ``PushkvConfig.backoff`` builds it). ``guard``: opens incoming
+        notifications (refuses unauthenticated ones when it holds a secret)."""
+        self.guard = guard if guard is not None else Guard()
         if sender is None and receiver is None:
             raise ValueError("a transfer thread needs a sender, a receiver or both")
         self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
@@ -327,9 +331,12 @@ class TransferThread:
             self.counters["foreign_notifs"] += 1
             return
         try:
-            msg = m.decode(frame)
+            msg = self.guard.decode(frame, agent)
         except RemoteProtocolError as exc:
             self._drop("malformed_notifs", "Dropped a notification from %s: %s", agent, exc)
+            return
+        if msg is None:  # failed authentication: counted by the guard
+            self.counters["unauthenticated_notifs"] += 1
             return
         if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer)):
             target: Sender | Receiver | None = self.sender

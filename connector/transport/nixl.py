@@ -111,7 +111,11 @@ class NixlTransport:
         backends: Sequence[str] = ("UCX",),
         num_workers: int | None = None,
         side_timeout_s: float = 1.0,
+        secret: bytes | None = None,
+        auth_window_s: float = 120.0,
     ) -> None:
+        """``secret``: the P/D plane's shared secret; the side channel then answers and
+        loads only authenticated metadata (``connector/transport/sidechannel.py``)."""
         api = load_nixl_api()
         self._name = agent_name
         # No progress thread (it busy-polls a core; we drive progress) and no listener
@@ -142,6 +146,8 @@ class NixlTransport:
             listen_port,
             connect_timeout_s=side_timeout_s,
             io_timeout_s=side_timeout_s,
+            key=secret,
+            auth_window_s=auth_window_s,
         )
         self._agent: Any = agent
         self._loaded: dict[str, bytes] = {}  # peer -> the metadata bytes we loaded for it

@@ -3,8 +3,8 @@
 Owns: the server thread that answers exchanges on ``listen_host:port`` only, the
 single client worker that dials peers, and the inbox through which both hand received
 metadata to the owning thread.
-Must not import: nixl, torch, vLLM, or other pushkv modules except ``core.errors`` and its
-wire codec (``sidechannel_wire.py``).
+Must not import: nixl, torch, vLLM, or other pushkv modules except ``core.errors``,
+``core.auth`` and its wire codec (``sidechannel_wire.py``).
 Nothing here calls NIXL: the owner (``NixlTransport``, on the transfer thread) drains
 ``drain()`` and loads what it gets, because NIXL is called from one thread only.
 
@@ -14,12 +14,19 @@ A client sends EXCHANGE (its name and metadata); the server queues them and answ
 REPLY (its name and current metadata), then closes. Anything else (wrong magic or
 version, unknown kind, oversized, truncated, stalled) closes the connection and is
 counted under ``counters["dropped_<reason>"]``; the server never stops serving for it.
+
+With a shared secret (``key``), the metadata field of both frames is sealed
+(``connector/core/auth.py``): the request's tag covers its agent name, the reply's also the
+request's nonce (a recorded reply answers no other request). A request that fails
+authentication is dropped (``dropped_auth_<reason>``) without an answer, so neither its
+metadata is loaded nor ours handed out; a reply that fails it fails the dial.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import selectors
 import socket
 import threading
@@ -28,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
+import connector.core.auth as auth
 from connector.core.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from connector.transport.sidechannel_wire import (
     KIND_EXCHANGE,
@@ -80,8 +88,13 @@ class SideChannel:
         io_timeout_s: float = 1.0,
         max_metadata_bytes: int = MAX_METADATA_BYTES,
         max_conns: int = 32,
+        key: bytes | None = None,
+        auth_window_s: float = 120.0,
     ) -> None:
         self.name = agent_name
+        self._key = auth.check_key(key) if key is not None else None
+        self._window_ms = int(auth_window_s * 1000)
+        self._replay = auth.ReplayWindow(self._window_ms)  # server thread only
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
         self._max = max_metadata_bytes
@@ -214,13 +227,39 @@ class SideChannel:
             with self._lock:
                 self._pending.discard(key)
 
+    def _cap(self) -> int:
+        return self._max + (auth.OVERHEAD if self._key is not None else 0)
+
+    def _seal(self, domain: bytes, md: bytes, aad: bytes) -> tuple[bytes, bytes]:
+        """``md`` sealed (with the nonce used) when a secret is set, else as it is."""
+        if self._key is None:
+            return md, b""
+        stamp = auth.Stamp(time.time_ns() // 1_000_000, secrets.token_bytes(auth.NONCE_BYTES))
+        return auth.seal(self._key, domain, md, stamp, aad), stamp.nonce
+
+    def _open(
+        self, domain: bytes, md: bytes, aad: bytes, replay: auth.ReplayWindow | None
+    ) -> tuple[bytes, bytes]:
+        """Metadata and nonce of a frame from a peer; ``bad("auth_<reason>")`` if refused."""
+        try:
+            if self._key is None:
+                if auth.is_sealed(md):
+                    raise auth.AuthError("unexpected", "sealed, but no secret is configured")
+                return md, b""
+            now_ms = time.time_ns() // 1_000_000
+            body, stamp = auth.unseal(self._key, domain, md, now_ms, self._window_ms, aad, replay)
+        except auth.AuthError as exc:
+            raise bad(f"auth_{exc.reason}", str(exc)) from None
+        return body, stamp.nonce
+
     def _exchange(self, host: str, port: int) -> Frame:
-        request = encode_frame(KIND_EXCHANGE, self.name, self._local_md, self._max)
+        md, nonce = self._seal(auth.SIDE_EXCHANGE, self._local_md, self.name.encode())
+        request = encode_frame(KIND_EXCHANGE, self.name, md, self._cap())
         deadline = time.monotonic() + self._connect_timeout_s + self._io_timeout_s
         with socket.create_connection((host, port), timeout=self._connect_timeout_s) as s:
             s.settimeout(self._io_timeout_s)
             s.sendall(request)
-            reader = FrameReader(self._max)
+            reader = FrameReader(self._cap())
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -231,7 +270,9 @@ class SideChannel:
                     raise bad("truncated", f"closed with {reader.wanted} bytes missing")
                 frame = reader.feed(chunk)
                 if frame is not None:
-                    return frame
+                    aad = frame.name.encode() + nonce
+                    md, _ = self._open(auth.SIDE_REPLY, frame.metadata, aad, None)
+                    return Frame(frame.kind, frame.name, md)
 
     # -- server thread --------------------------------------------------------------
 
@@ -278,7 +319,7 @@ class SideChannel:
         sock.setblocking(False)
         # A whole exchange must finish in this time: a stalled client cannot hold a slot.
         deadline = time.monotonic() + self._connect_timeout_s + self._io_timeout_s
-        self._conns[sock] = _Conn(sock, deadline, FrameReader(self._max))
+        self._conns[sock] = _Conn(sock, deadline, FrameReader(self._cap()))
         self._sel.register(sock, selectors.EVENT_READ)
 
     def _on_readable(self, conn: _Conn) -> None:
@@ -303,9 +344,26 @@ class SideChannel:
         if frame.kind != KIND_EXCHANGE:
             self._drop(conn, "bad_kind")
             return
-        self._inbox.put(PeerMetadata(frame.name, frame.metadata, "dialed_us"))
+        try:
+            md, nonce = self._open(
+                auth.SIDE_EXCHANGE, frame.metadata, frame.name.encode(), self._replay
+            )
+        except RemoteProtocolError as exc:
+            self._drop(conn, drop_reason(exc))
+            n = self.counters.get(f"dropped_{drop_reason(exc)}", 0)
+            if n & (n - 1) == 0:  # 1st, 2nd, 4th...: a flood stays quiet
+                logger.warning(
+                    "Side channel of %s refused %r: %s (%d so far)",
+                    self.name,
+                    frame.name,
+                    exc.args[-1],
+                    n,
+                )
+            return
+        self._inbox.put(PeerMetadata(frame.name, md, "dialed_us"))
         self._count("served")
-        conn.out = memoryview(encode_frame(KIND_REPLY, self.name, self._local_md, self._max))
+        reply, _ = self._seal(auth.SIDE_REPLY, self._local_md, self.name.encode() + nonce)
+        conn.out = memoryview(encode_frame(KIND_REPLY, self.name, reply, self._cap()))
         self._sel.modify(conn.sock, selectors.EVENT_WRITE)
         self._on_writable(conn)
 

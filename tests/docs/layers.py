@@ -38,7 +38,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "`connector/transport/`",
         ("connector/transport/",),
-        ("connector.core.errors", "connector.transport"),
+        ("connector.core.errors", "connector.core.auth", "connector.transport"),
         ("vllm", "torch"),
         "NIXL only in `nixl.py`, imported lazily",
     ),

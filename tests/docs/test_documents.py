@@ -212,7 +212,7 @@ def _same(stated: str, actual: Any) -> bool:
     if isinstance(actual, str):
         return stated == actual
     try:
-        return json.loads(stated) == actual
+        return json.loads(stated) == (list(actual) if isinstance(actual, tuple) else actual)
     except json.JSONDecodeError:
         return False
 

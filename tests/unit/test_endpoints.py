@@ -14,6 +14,7 @@ import pytest
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.tools.loopback import RankSpec, expected_event
+from connector.transfer.guard import Guard
 from connector.transfer.peers import Peers
 from connector.transfer.receiver import Receiver
 from connector.transfer.sender import Sender
@@ -27,8 +28,15 @@ MS = 1_000_000
 class Pair:
     """One P rank and one D rank on a fake fabric, pumped by hand."""
 
-    def __init__(self, d_num_tokens_delta: int = 0, dial_timeout_ns: int = 50 * MS) -> None:
+    def __init__(
+        self,
+        d_num_tokens_delta: int = 0,
+        dial_timeout_ns: int = 50 * MS,
+        guards: tuple[Guard, Guard] | None = None,
+    ) -> None:
+        """``guards``: P's and D's codecs (with a secret: sealed notifications)."""
         self.fabric = FakeFabric()
+        self.p_guard, self.d_guard = guards or (Guard(), Guard())
         self.now = 0
         self.p_spec = RankSpec("P", "prefill", 0, 1, 16000)
         self.d_spec = RankSpec("D", "decode", 0, 1, 17000)
@@ -46,12 +54,14 @@ class Pair:
             Topology(4, 1),
             Peers(self.tp, dial_timeout_ns),
             on_write_finished=self.reports.append,
+            guard=self.p_guard,
         )
         self.receiver = Receiver(
             RankInfo("decode", 0, 1, self.d_spec.addr),
             d_layout,
             Peers(self.td, dial_timeout_ns),
             clock=lambda: self.now,
+            guard=self.d_guard,
         )
         self.delta = d_num_tokens_delta
 
@@ -78,9 +88,13 @@ class Pair:
     def pump(self, rounds: int = 20, dt_ns: int = MS) -> None:
         for _ in range(rounds):
             self.now += dt_ns
-            for t, endpoint in ((self.tp, self.sender), (self.td, self.receiver)):
+            for t, endpoint, guard in (
+                (self.tp, self.sender, self.p_guard),
+                (self.td, self.receiver, self.d_guard),
+            ):
                 for agent, frame in t.get_notifs():
-                    endpoint.on_message(agent, m.decode(frame), self.now)
+                    if (msg := guard.decode(frame, agent)) is not None:
+                        endpoint.on_message(agent, msg, self.now)
             self.sender.peers.poll(self.now)
             self.receiver.peers.poll(self.now)
             self.sender.poll(self.now)

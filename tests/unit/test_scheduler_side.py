@@ -4,15 +4,20 @@ SchedulerOutput and KVConnectorOutput (pure logic; the real vLLM runs in tests/e
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from opentelemetry.trace import StatusCode
 
 from connector.core import lifecycle as lc
 from connector.core.lifecycle import ReqState
+from connector.kv_params import LegTrust, sign_decode_params
 from connector.metadata import Handshake
 from connector.scheduler_side import SchedulerSide
+from telemetry.schema import Attr, Span
+from tests.unit.telemetry.memory import Recorder
 
 D_LEG = {
     "do_remote_prefill": True,
@@ -208,6 +213,45 @@ def test_malformed_decode_leg_is_served_locally_with_the_reason() -> None:
         delay, params = s.request_finished(req, ([1],))
         assert not delay and "kv_transfer_params" in params["pushkv_error"]
     assert s._reqs == {}
+
+
+def test_untrusted_decode_leg_is_never_dialed_and_served_locally() -> None:
+    """A leg sent straight to D naming coordinates the router did not sign: no
+    registration is staged (so no worker dials), and the reason is in the response."""
+    key = b"s" * 32
+    s = SchedulerSide("decode", False, True, LegTrust(key))
+    for i, params in enumerate(
+        (
+            dict(D_LEG),  # unsigned
+            sign_decode_params(D_LEG, b"z" * 32, int(time.time() * 1000), 60_000),  # other key
+            sign_decode_params(D_LEG, key, int(time.time() * 1000) - 120_000, 60_000),  # expired
+        )
+    ):
+        req = Req(f"d{i}", params)
+        s.on_new_request(req)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        s.update_state_after_alloc(req, Blocks([[1, 2]]), 0)
+        assert s.build_connector_meta(SchedOut({req.request_id: 300})).registrations == []
+        delay, out = s.request_finished(req, ([1, 2],))
+        assert not delay and "no valid router signature" in out["pushkv_error"]
+    assert s.untrusted_legs == 3
+    good = Req("ok", sign_decode_params(D_LEG, key, int(time.time() * 1000), 60_000))
+    s.on_new_request(good)
+    assert s.get_num_new_matched_tokens(good, 0) == (300, True)
+
+
+def test_an_untrusted_leg_is_a_span_in_the_requests_trace() -> None:
+    rec = Recorder()
+    s = SchedulerSide("decode", False, True, LegTrust(b"s" * 32))
+    s._tracer = rec.tracer
+    tp = "00-" + "a1" * 16 + "-" + "c1" * 8 + "-01"
+    s.on_new_request(Req("d", {**D_LEG, "traceparent": tp}))
+    span = rec.one(Span.LEG_REJECTED)
+    attrs = span.attributes or {}
+    assert span.context.trace_id == int("a1" * 16, 16)
+    assert span.status.status_code is StatusCode.ERROR
+    assert attrs[Attr.PEER.value] == "127.0.0.1:5000"
+    assert "no valid router signature" in str(attrs[Attr.REASON.value])
 
 
 def test_states_are_records_not_set_membership() -> None:

@@ -150,6 +150,7 @@ async def test_stats(cluster: MakeCluster) -> None:
         "retried": {"total": 0},
         "degraded": 0,
         "router_errors": 0,
+        "unauthorized": 0,
     }
     assert [d["dispatched"] for d in s["decode"]] == [1, 0]
     assert s["prefill"][0]["health"] == "healthy" and s["prefill"][0]["ready"] is True
