@@ -355,14 +355,18 @@ def _forward(kv: VllmKV, block_ids: list[int], seed: int, cycles: int) -> Any:
 class RankProcess:
     """Parent-side handle of one rank's process."""
 
-    def __init__(self, spec: RankSpec, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, spec: RankSpec, start_timeout_s: float = 120.0, target: Any = None) -> None:
+        """``target``: the child's main (``rank_main``; ``connector.tools.worker_ranks`` runs
+        the worker role instead). Its "ready" reply's extra fields land in ``hello``."""
         ctx = get_context("spawn")
         self.spec = spec
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=rank_main, args=(child, spec), name=spec.agent, daemon=True)
+        self.proc = ctx.Process(
+            target=target or rank_main, args=(child, spec), name=spec.agent, daemon=True
+        )
         self.proc.start()
         child.close()
-        self._reply("ready", start_timeout_s)
+        self.hello = self._reply("ready", start_timeout_s)[2:]
         self.sent: list[str] = []
         self.received: list[Any] = []
         self.reports: list[Any] = []

@@ -397,6 +397,7 @@ class Sender:
         del self._writes[tid]
         w.report.done_ns = time.time_ns()
         w.report.ok, w.report.reason = w.failure is None, w.failure
+        self.counters[f"path_{w.report.path}"] += 1
         if self._on_write_finished is not None:
             self._on_write_finished(w.report)
         self.spans.write_finished(w.report)

@@ -18,6 +18,7 @@ import torch
 from connector.core import events as ev
 from connector.tools.loopback import RankProcess, RankSpec, expected_event
 from connector.tools.stack import free_port
+from connector.tools.worker_ranks import WorkerRank
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 
@@ -95,3 +96,51 @@ def test_gpu_paths_push_every_byte_after_the_forward(
             assert report.path == want, report.path_reason
         if report.path == "ipc":
             assert report.descriptors == 0 and report.stage_ms.get("copy", -1) >= 0
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., tuple[WorkerRank, WorkerRank]]]:
+    started: list[WorkerRank] = []
+
+    def start(device: str, **kw: object) -> tuple[WorkerRank, WorkerRank]:
+        shape = {**SHAPE, **kw}
+        p = WorkerRank(RankSpec("P", "prefill", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
+        started.append(p)
+        d = WorkerRank(RankSpec("D", "decode", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
+        started.append(d)
+        return p, d
+
+    yield start
+    for proc in started:
+        proc.stop()
+    assert not any(p.proc.is_alive() for p in started)
+
+
+@pytest.mark.parametrize(
+    ("device", "kv_layout", "paths"),
+    [
+        ("cpu", "LBHNC", "auto"),
+        pytest.param("cuda:0", "BLHNC", "auto", marks=pytest.mark.skipif(not CUDA, reason="GPU")),
+        pytest.param("cuda:0", "LBHNC", "direct", marks=pytest.mark.skipif(not CUDA, reason="GPU")),
+    ],
+)
+def test_worker_sides_push_every_byte_after_the_forward(
+    workers, device: str, kv_layout: str, paths: str
+) -> None:
+    """The plugin's worker role itself (WorkerSide: KV description, path driver, transfer
+    thread, the step's CUDA event from after_forward) on both sides."""
+    p, d = workers(device, kv_layout=kv_layout, xfer_paths=paths)
+    for i, n in enumerate((16 * 16, 24 * 16)):
+        tid = f"w{i}"
+        p_blocks = tuple(range(5, 5 + n // 16))
+        d_blocks = tuple(94 - 3 * k for k in range(n // 16))
+        d.register(tid, d_blocks, n, p.decode_leg(tid))
+        p.prefill_step(tid, p_blocks, n, seed=300 + i, sleep_cycles=40_000_000)
+        d.wait(tid, lambda r, t=tid: f"d-{t}" in r.received, 60)
+        p.wait(tid, lambda r, t=tid: f"p-{t}" in r.sent, 60)
+        assert f"d-{tid}" not in d.failed, f"{tid} failed on D"
+        ps, ds = p.block_sums(list(p_blocks)), d.block_sums(list(d_blocks))
+        assert (ps == ds).all(), f"{tid}: moved blocks differ"
+    path_counts = {k: v for k, v in p.call("counters")[0].items() if k.startswith("path_")}
+    want = "path_ipc" if device != "cpu" and paths != "direct" else "path_direct"
+    assert path_counts == {want: 2}, path_counts
