@@ -16,6 +16,7 @@ from typing import Protocol
 
 from connector.core import messages as m
 from connector.core.events import BlockTable
+from connector.core.heads import HeadRange
 from connector.core.xfer_path import PathChoice, XferPath
 
 
@@ -49,9 +50,10 @@ class Paths(Protocol):
         """``agent`` is gone: drop its mapping."""
         ...
 
-    def choose(self, reg: m.Register, src_blocks: BlockTable) -> PathChoice:
-        """The path for one target, decided without planning descriptors (that costs ~2 ms
-        at 16k tokens, ``python -m bench.gpu_push``): the Sender plans only direct ones."""
+    def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
+        """The path for one target (``heads``: the global KV heads this P rank writes to it),
+        decided without planning descriptors (that costs ~2 ms at 16k tokens,
+        ``python -m bench.gpu_push``): the Sender plans only direct ones."""
         ...
 
     def bind_waker(self, wake: Callable[[], None]) -> None:
@@ -59,7 +61,12 @@ class Paths(Protocol):
         ...
 
     def start(
-        self, choice: PathChoice, reg: m.Register, src_blocks: BlockTable, notif: bytes
+        self,
+        choice: PathChoice,
+        reg: m.Register,
+        src_blocks: BlockTable,
+        heads: HeadRange,
+        notif: bytes,
     ) -> PathWrite:
         """Begin a non-direct write (never blocks); ``notif`` goes to D when it is done."""
         ...

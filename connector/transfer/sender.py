@@ -18,6 +18,7 @@ from typing import Any
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import LayoutError, PeerDisconnected, TransportError
+from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout
 from connector.core.plan import Pieces, plan_transfer
 from connector.core.sender_table import SenderTable
@@ -268,10 +269,10 @@ class Sender:
                     raise LayoutError(
                         f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"
                     )
-                choice = self.paths.choose(reg, a.block_ids) if self.paths else None
+                heads = self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
+                choice = self.paths.choose(reg, a.block_ids, heads) if self.paths else None
                 pieces = None
                 if choice is None or choice.path is XferPath.DIRECT:
-                    heads = self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
                     pieces = plan_transfer(
                         self.layout,
                         a.block_ids,
@@ -281,7 +282,7 @@ class Sender:
                         num_tokens=reg.num_tokens,
                         heads=heads,
                     )
-                plans.append((reg, pieces, choice))
+                plans.append((reg, pieces, choice, heads))
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
             self._run(
@@ -293,11 +294,11 @@ class Sender:
             return
         report.prepared_ns = time.time_ns()
         w = self._writes[a.transfer_id] = _Write(report, unposted=len(plans))
-        chosen = [c for _, _, c in plans if c is not None]
+        chosen = [c for _, _, c, _ in plans if c is not None]
         if chosen:
             report.path = ",".join(sorted({c.path.value for c in chosen}))
             report.path_reason = "; ".join(sorted({c.reason for c in chosen}))
-        for reg, pieces, choice in plans:
+        for reg, pieces, choice, heads in plans:
             if pieces is None:
                 assert choice is not None
                 report.bytes_total += choice.bytes_total
@@ -307,7 +308,7 @@ class Sender:
             self.peers.when_ready(
                 reg.d_addr,
                 now_ns,
-                functools.partial(self._post_one, w, reg, pieces, choice, a.block_ids),
+                functools.partial(self._post_one, w, reg, pieces, choice, a.block_ids, heads),
                 lambda exc: self._unposted_failed(w, m.FailReason.HANDSHAKE, exc),
             )
         self._poll_write(a.transfer_id, now_ns)
@@ -319,6 +320,7 @@ class Sender:
         pieces: Pieces | None,
         choice: PathChoice | None,
         src_blocks: ev.BlockTable,
+        heads: HeadRange,
     ) -> None:
         w.unposted -= 1
         if w.aborting:
@@ -328,7 +330,7 @@ class Sender:
             notif = self._completion(w.report.transfer_id, choice.bytes_total, 0)
             try:
                 w.report.posted_ns = w.report.posted_ns or time.time_ns()
-                w.others.append(self.paths.start(choice, reg, src_blocks, notif))
+                w.others.append(self.paths.start(choice, reg, src_blocks, heads, notif))
             except (TransportError, LayoutError) as exc:
                 self._note_failure(w, m.FailReason.POST_ERROR, TransportError(str(exc)))
             return

@@ -144,3 +144,33 @@ def test_worker_sides_push_every_byte_after_the_forward(
     path_counts = {k: v for k, v in p.call("counters")[0].items() if k.startswith("path_")}
     want = "path_ipc" if device != "cpu" and paths != "direct" else "path_direct"
     assert path_counts == {want: 2}, path_counts
+
+
+@pytest.mark.parametrize(
+    ("device", "kv_layout"),
+    [
+        ("cpu", "LBHNC"),
+        pytest.param("cuda:0", "BLHNC", marks=pytest.mark.skipif(not CUDA, reason="GPU")),
+    ],
+)
+def test_a_tp2_prefill_fills_a_tp1_decode(device: str, kv_layout: str) -> None:
+    """Each P rank writes its half of the heads into D's blocks (on a GPU through IPC, each
+    rank copying its heads' bytes of every block row)."""
+    shape = {**SHAPE, "kv_layout": kv_layout, "xfer_paths": "auto", "device": device}
+    ps = [RankProcess(RankSpec("P", "prefill", r, 2, free_port(), seed=r, **shape)) for r in (0, 1)]  # type: ignore[arg-type]
+    d = RankProcess(RankSpec("D", "decode", 0, 1, free_port(), p_tp=2, **shape))  # type: ignore[arg-type]
+    try:
+        n, p_blocks, d_blocks = 20 * 16, tuple(range(3, 23)), tuple(range(90, 50, -2))
+        d.submit(expected_event("tp", [p.spec for p in ps], d.spec, d_blocks, n))
+        for p in ps:
+            p.submit(ev.PrefillDone("tp", f"req-tp-{p.spec.rank}", (p_blocks,), n))
+        d.wait("tp", lambda r: any(x.transfer_id == "tp" and x.ok for x in r.received), 60)
+        for p in ps:
+            p.wait("tp", lambda r, p=p: f"req-tp-{p.spec.rank}" in r.sent, 60)
+            (report,) = [r for r in p.reports if r.transfer_id == "tp"]
+            assert report.ok and report.path == ("ipc" if device != "cpu" else "direct")
+        halves = sum(p.block_sums(list(p_blocks)) for p in ps)
+        assert (halves == d.block_sums(list(d_blocks))).all(), "D's blocks are not P's heads"
+    finally:
+        for proc in (*ps, d):
+            proc.stop()

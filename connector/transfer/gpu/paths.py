@@ -29,6 +29,7 @@ import torch
 from connector.core import messages as m
 from connector.core.errors import LayoutError
 from connector.core.events import BlockTable
+from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout
 from connector.core.xfer_path import Locality, PathChoice, PathModel, XferPath, choose_path
 from connector.transfer.gpu.ipc import IpcExport, IpcPush, export_rows, import_rows
@@ -97,6 +98,29 @@ def paths_for(
     offer = make_offer(rows, me, rank) if consumer else None  # first: CPU sharing moves storage
     paths = GpuPaths(transport, layout, rows, mode=mode) if producer else None
     return paths, offer
+
+
+@dataclass
+class _IpcPlan:
+    src: list[int]  # P's blocks
+    dst: list[int]  # D's blocks, one per P block
+    p_cols: tuple[int, int]  # the bytes of each P row that move
+    d_cols: tuple[int, int]  # where they land in each D row
+
+    @property
+    def row_bytes(self) -> int:
+        return self.p_cols[1] - self.p_cols[0]
+
+
+def _columns(rows: RowTable, cols: tuple[int, int]) -> RowTable:
+    """``rows`` narrowed to bytes [a, b) of each row (the same table when that is all)."""
+    a, b = cols
+    if (a, b) == (0, rows.row_bytes):
+        return rows
+    key = f"cols{a}:{b}"
+    if key not in rows._tables:  # one narrowed table per slice: its address tables are cached
+        rows._tables[key] = RowTable.of([t[:, a:b] for t in rows.tensors])
+    return rows._tables[key]  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -190,24 +214,37 @@ class GpuPaths:
         self._mapped.pop(agent, None)
 
     # ------------------------------------------------------------------ per target
-    def _ids(
-        self, reg: m.Register, src_blocks: BlockTable, mapped: _Mapped
-    ) -> tuple[list[int], list[int]] | str:
-        """The (P, D) block ids an IPC copy moves, or why it cannot."""
+    def _plan(
+        self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange, mapped: _Mapped
+    ) -> _IpcPlan | str:
+        """What an IPC copy to ``reg`` moves (P's heads ``heads`` of the blocks), or why it
+        cannot. Whole block rows where P and D hold the same heads; otherwise (another TP
+        size) the heads' contiguous bytes of each row, which needs head-major blocks."""
         lay, d = self.layout, reg.layout
-        same_geometry = (
-            d.block_size == lay.block_size
-            and d.heads == lay.heads
-            and d.token_bytes == lay.token_bytes
-            and d.strides() == lay.strides()
-            and d.region_keys() == lay.region_keys()
-        )
-        if not same_geometry:
-            return "block geometry differs"
-        if mapped.rows.num_regions != self.rows.num_regions or (
-            mapped.rows.row_bytes != self.rows.row_bytes
+        if (d.block_size, d.token_bytes, d.region_keys()) != (
+            lay.block_size,
+            lay.token_bytes,
+            lay.region_keys(),
         ):
+            return "block geometry differs"
+        if mapped.rows.num_regions != self.rows.num_regions:
             return "mapped rows differ"
+        if heads == lay.heads == d.heads and d.strides() == lay.strides():
+            if mapped.rows.row_bytes != self.rows.row_bytes:
+                return "mapped rows differ"
+            p_cols = d_cols = (0, self.rows.row_bytes)
+        else:
+            hs = lay.block_size * lay.token_bytes  # a head's bytes of one block
+            dense = (hs, lay.token_bytes)
+            if lay.strides() != dense or d.strides() != dense:
+                return "heads are not contiguous inside a block"
+            if (self.rows.row_bytes, mapped.rows.row_bytes) != (
+                lay.num_heads * hs,
+                d.num_heads * hs,
+            ):
+                return "mapped rows differ"
+            p_cols = ((heads[0] - lay.heads[0]) * hs, (heads[1] - lay.heads[0]) * hs)
+            d_cols = ((heads[0] - d.heads[0]) * hs, (heads[1] - d.heads[0]) * hs)
         if len(src_blocks) != 1 or len(reg.block_ids) != 1:
             return "several KV groups"
         bs = lay.block_size
@@ -217,23 +254,23 @@ class GpuPaths:
         dst = list(reg.block_ids[0])
         if len(src) != len(dst):
             return "block counts differ"
-        return src, dst
+        return _IpcPlan(src, dst, p_cols, d_cols)
 
-    def choose(self, reg: m.Register, src_blocks: BlockTable) -> PathChoice:
+    def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
         mapped = self._mapped.get(reg.d_addr.agent)
         if mapped is None:
             return PathChoice(XferPath.DIRECT, "direct: no IPC offer taken", ())
-        ids = self._ids(reg, src_blocks, mapped)
-        if isinstance(ids, str):
-            return PathChoice(XferPath.DIRECT, f"direct: {ids}", ())
-        src, dst = ids
-        if not src:
+        plan = self._plan(reg, src_blocks, heads, mapped)
+        if isinstance(plan, str):
+            return PathChoice(XferPath.DIRECT, f"direct: {plan}", ())
+        if not plan.src:
             return PathChoice(XferPath.DIRECT, "empty", ())
-        nbytes = len(src) * self.rows.row_bytes * self.rows.num_regions
+        nbytes = len(plan.src) * plan.row_bytes * self.rows.num_regions
         if self.mode == "ipc":
             return PathChoice(XferPath.IPC, "xfer_paths is ipc", (), nbytes)
+        whole = plan.p_cols == (0, self.rows.row_bytes)
         return choose_path(
-            self._direct_descriptors(src, dst),
+            self._direct_descriptors(plan.src, plan.dst, whole),
             nbytes,
             src_mem=self.layout.mem_type,
             dst_mem=reg.layout.mem_type,
@@ -242,32 +279,37 @@ class GpuPaths:
             model=self.model,
         )
 
-    def _direct_descriptors(self, src: list[int], dst: list[int]) -> int:
+    def _direct_descriptors(self, src: list[int], dst: list[int], whole: bool = True) -> int:
         """What the direct plan would post, without planning it: one descriptor per run of
-        blocks consecutive on both sides, times the regions unless a block of all layers is
-        one page on both (block-outermost, the same geometry on both sides)."""
+        blocks consecutive on both sides, times the regions unless whole blocks of all
+        layers are one page on both (block-outermost, the same geometry on both sides)."""
         a, b = np.asarray(src), np.asarray(dst)
         runs = 1 + int(np.count_nonzero((np.diff(a) != 1) | (np.diff(b) != 1)))
-        return runs * (1 if self._layers_adjacent else len(self.layout.regions))
+        return runs * (1 if self._layers_adjacent and whole else len(self.layout.regions))
 
     def start(
-        self, choice: PathChoice, reg: m.Register, src_blocks: BlockTable, notif: bytes
+        self,
+        choice: PathChoice,
+        reg: m.Register,
+        src_blocks: BlockTable,
+        heads: HeadRange,
+        notif: bytes,
     ) -> IpcWrite:
         mapped = self._mapped.get(reg.d_addr.agent)
         if choice.path is not XferPath.IPC or mapped is None:
             raise LayoutError(f"GpuPaths cannot start a {choice.path.value} write here")
-        ids = self._ids(reg, src_blocks, mapped)
-        if isinstance(ids, str):
-            raise LayoutError(f"IPC write to {reg.d_addr.agent}: {ids}")
+        plan = self._plan(reg, src_blocks, heads, mapped)
+        if isinstance(plan, str):
+            raise LayoutError(f"IPC write to {reg.d_addr.agent}: {plan}")
         with self._lane.active():  # the ids' upload is ordered before the copy on its stream
-            src = torch.tensor(ids[0], dtype=torch.int64, device=self.rows.device)
-            dst = torch.tensor(ids[1], dtype=torch.int64, device=mapped.rows.device)
+            src = torch.tensor(plan.src, dtype=torch.int64, device=self.rows.device)
+            dst = torch.tensor(plan.dst, dtype=torch.int64, device=mapped.rows.device)
         push = IpcPush(
             self._t,
             reg.d_addr.agent,
-            self.rows,
+            _columns(self.rows, plan.p_cols),
             src,
-            mapped.rows,
+            _columns(mapped.rows, plan.d_cols),
             dst,
             self._lane,
             notif,

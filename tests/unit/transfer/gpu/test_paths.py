@@ -12,6 +12,7 @@ import torch
 
 from connector.core import events as ev
 from connector.core import messages as m
+from connector.core.heads import head_range
 from connector.core.plan import plan_transfer
 from connector.core.xfer_path import XferPath
 from connector.kv_tensors import block_row_views, describe_kv_caches
@@ -31,10 +32,12 @@ P_ADDR = m.PeerAddr(agent="prefill-0", host="127.0.0.1", port=16000)
 D_ADDR = m.PeerAddr(agent="decode-0", host="127.0.0.1", port=17000)
 
 
-def kv(block_size: int, seed: int | None, layout: str = "BLHNC") -> tuple[torch.Tensor, dict]:
+def kv(
+    block_size: int, seed: int | None, layout: str = "BLHNC", heads: int = H
+) -> tuple[torch.Tensor, dict]:
     from connector.tools.kv_caches import vllm_kv_caches
 
-    raw, views = vllm_kv_caches(L, B, H, block_size, D, layout=layout)
+    raw, views = vllm_kv_caches(L, B, heads, block_size, D, layout=layout)
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
         raw.copy_(torch.randint(1, 256, raw.shape, dtype=torch.uint8, generator=g))
@@ -44,16 +47,25 @@ def kv(block_size: int, seed: int | None, layout: str = "BLHNC") -> tuple[torch.
 class GpuPair:
     """P and D ranks on a fake fabric with vLLM-shaped caches, pumped by hand."""
 
-    def __init__(self, mode: Mode = "ipc", d_block_size: int = 4, node: str | None = None) -> None:
+    def __init__(
+        self,
+        mode: Mode = "ipc",
+        d_block_size: int = 4,
+        node: str | None = None,
+        p_tp: tuple[int, int] = (0, 1),  # (rank, TP size) of P, and of D below
+        d_tp: tuple[int, int] = (0, 1),
+    ) -> None:
         self.fabric, self.now = FakeFabric(), 0
-        self.p_raw, self.p_views = kv(4, seed=1)
-        self.d_raw, self.d_views = kv(d_block_size, seed=None)
+        self.p_heads, self.d_heads = head_range(*p_tp, H), head_range(*d_tp, H)
+        self.p_raw, self.p_views = kv(4, seed=1, heads=self.p_heads[1] - self.p_heads[0])
+        self.d_raw, self.d_views = kv(d_block_size, None, heads=self.d_heads[1] - self.d_heads[0])
         # On CPU, sharing moves a storage into shared memory: export before any address is taken.
-        offer = make_offer(RowTable.of(block_row_views(self.d_views)), D_ADDR, 0)
+        offer = make_offer(RowTable.of(block_row_views(self.d_views)), D_ADDR, d_tp[0])
         if node is not None:
             offer = m.IpcOffer(**{**_fields(offer), "node": node})
-        p_layout = describe_kv_caches(self.p_views, {}, (0, H), opaque=False)  # GPU semantics
-        d_layout = describe_kv_caches(self.d_views, {}, (0, H), opaque=False)
+        # GPU semantics (token ranges inside a block may move)
+        p_layout = describe_kv_caches(self.p_views, {}, self.p_heads, opaque=False)
+        d_layout = describe_kv_caches(self.d_views, {}, self.d_heads, opaque=False)
         self.tp = self.fabric.transport(P_ADDR.agent, port=P_ADDR.port)
         self.td = self.fabric.transport(D_ADDR.agent, port=D_ADDR.port)
         self.tp.register_memory(p_layout.memory_extents())
@@ -64,15 +76,15 @@ class GpuPair:
         self.reports: list[WriteReport] = []
         self.sender = Sender(
             self.tp,
-            RankInfo("prefill", 0, 1, P_ADDR),
+            RankInfo("prefill", *p_tp, P_ADDR),
             p_layout,
-            Topology(H, 1),
+            Topology(H, p_tp[1]),
             Peers(self.tp, 50 * MS),
             on_write_finished=self.reports.append,
             paths=self.paths,
         )
         self.receiver = Receiver(
-            RankInfo("decode", 0, 1, D_ADDR),
+            RankInfo("decode", *d_tp, D_ADDR),
             d_layout,
             Peers(self.td, 50 * MS),
             clock=lambda: self.now,
@@ -84,6 +96,9 @@ class GpuPair:
         src = ev.Source(0, P_ADDR)
         self.receiver.on_event(ev.Expected(tid, f"d-{tid}", (src,), (d_blocks,), 0, n), self.now)
         self.sender.on_event(ev.PrefillDone(tid, f"p-{tid}", (p_blocks,), n), self.now)
+        self.pump()
+
+    def pump(self) -> None:
         for _ in range(20):
             self.now += MS
             for agent, frame in self.tp.get_notifs():
@@ -128,6 +143,50 @@ def test_ipc_moves_every_byte_and_d_counts_its_completion() -> None:
     untouched = [b for b in range(B) if b not in (4, 11, 0)]
     assert int(pair.d_raw.view(B, -1)[untouched].sum()) == 0  # BLHNC: a block is one page
     assert pair.seen == ["IpcOffer", "Register"]  # the offer first, on the same path
+
+
+def test_ipc_from_one_rank_of_a_wider_p_moves_only_its_heads() -> None:
+    pair = GpuPair("ipc", p_tp=(1, 2), d_tp=(0, 1))  # P rank 1 of 2 holds head 1 of 2
+    # D waits for this P rank only (the other rank of a TP-2 P is not in this test).
+    pair.receiver.on_event(
+        ev.Expected("t1", "d-t1", (ev.Source(1, P_ADDR),), ((4, 11),), 0, 8), pair.now
+    )
+    pair.sender.on_event(ev.PrefillDone("t1", "p-t1", ((7, 2),), 8), pair.now)
+    pair.pump()
+    assert pair.receiver.finished and pair.receiver.finished[0].ok
+    (report,) = pair.reports
+    assert report.ok and report.path == "ipc", report.path_reason
+    for p_t, d_t in zip(pair.p_views.values(), pair.d_views.values(), strict=True):
+        for pb, db in ((7, 4), (2, 11)):
+            assert torch.equal(
+                d_t[db, 1:].view(torch.uint8), p_t[pb].view(torch.uint8)
+            )  # P's bytes
+            assert int(d_t[db, :1].view(torch.uint8).sum()) == 0  # the other rank's head
+
+
+def test_ipc_into_one_rank_of_a_wider_d_takes_the_heads_it_holds() -> None:
+    pair = GpuPair("ipc", p_tp=(0, 1), d_tp=(1, 2))  # D rank 1 of 2 holds head 1 of 2
+    reg = m.Register(
+        transfer_id="t1",
+        d_engine_id="decode",
+        d_rank=1,
+        d_tp_size=2,
+        d_addr=D_ADDR,
+        layout=pair.receiver.layout,
+        block_ids=((4, 11),),
+        first_token=0,
+        num_tokens=8,
+        ttl_ms=1000,
+    )
+    pair.paths.offered(D_ADDR.agent, pair.receiver._offer)  # type: ignore[arg-type]
+    choice = pair.paths.choose(reg, ((7, 2),), (1, 2))
+    assert choice.path is XferPath.IPC and choice.bytes_total == 2 * L * 4 * 2 * D * 2
+    write = pair.paths.start(choice, reg, ((7, 2),), (1, 2), b"done")
+    pair.tp.connect(D_ADDR.agent, *pair.td.listen_address, timeout_s=0)
+    assert write.pump() and pair.td.get_notifs() == [(P_ADDR.agent, b"done")]
+    for p_t, d_t in zip(pair.p_views.values(), pair.d_views.values(), strict=True):
+        for pb, db in ((7, 4), (2, 11)):
+            assert torch.equal(d_t[db].view(torch.uint8), p_t[pb, 1:].view(torch.uint8))  # head 1
 
 
 def test_the_offer_goes_to_each_p_agent_once() -> None:
