@@ -2,7 +2,8 @@
 Receiver, transfer thread, NixlTransport) and time it, on CPU (DRAM) or GPU (VRAM).
 
 Run: python -m bench.gpu_push --device cuda:0 [--d-device cuda:1] [--tokens 1024,4096,16384]
-     [--no-doorbell] [--kv-layout BLHNC] [--paths direct,ipc,auto] [--json out.jsonl]
+     [--no-doorbell] [--kv-layout BLHNC] [--paths direct,ipc,auto] [--d-block-size 32]
+     [--json out.jsonl]
 The KV is shaped like one TP rank of a Llama-3-8B-class model (32 layers, 8 KV heads;
 ``--layers 64 --kv-heads 1``: one rank of Qwen3-32B at TP8,
 head_dim 128, bf16, K|V packed per token, 16-token blocks). For every size it moves a
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=1100)
     ap.add_argument("--kv-heads", type=int, default=8, help="1: a Qwen3-32B TP8 rank")
+    ap.add_argument("--d-block-size", type=int, default=16, help="D's block size (P: 16)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--kv-layout", default=None, help="a vLLM KVCacheLayout, e.g. BLHNC")
@@ -86,32 +88,38 @@ def run_pair(args: argparse.Namespace, shape: dict, mode: str, rows: list[dict])
     """One P/D pair: every token count, contiguous then scattered D blocks."""
     dev = args.device
     p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=dev, **shape), 120)
+    d_shape = {**shape, "block_size": args.d_block_size}
     d = RankProcess(
-        RankSpec("D", "decode", 0, 1, free_port(), device=args.d_device or dev, **shape), 120
+        RankSpec("D", "decode", 0, 1, free_port(), device=args.d_device or dev, **d_shape), 120
     )
     rng = random.Random(0)
     try:
         for n in [int(x) for x in args.tokens.split(",")]:
-            nb = n // 16
+            nb, d_nb = n // 16, n // args.d_block_size
             for layout in ("contiguous", "scattered"):
                 samples = []
                 for i in range(args.reps + 1):  # round 0 connects and warms up
                     tid = f"{layout}-{n}-{i}"
                     p_blocks = tuple(range(nb))
                     d_blocks = (
-                        tuple(range(args.blocks - nb, args.blocks))
+                        tuple(range(args.blocks - d_nb, args.blocks))
                         if layout == "contiguous"
-                        else tuple(rng.sample(range(args.blocks), nb))
+                        else tuple(rng.sample(range(args.blocks), d_nb))
                     )
                     d.submit(expected_event(tid, [p.spec], d.spec, d_blocks, n))
                     p.submit(ev.PrefillDone(tid, f"req-{tid}", (p_blocks,), n))
                     d.wait(tid, lambda r, t=tid: any(x.transfer_id == t for x in r.received), 120)
                     p.wait(tid, lambda r, t=tid: f"req-{t}" in r.sent, 120)
                     got = next(x for x in d.received if x.transfer_id == tid)
-                    rep = next(r for r in p.reports if r.transfer_id == tid)
-                    assert got.ok and rep.ok, f"{tid} failed: {got} {rep}"
+                    rep = next((r for r in p.reports if r.transfer_id == tid), None)
+                    if rep is None or not (got.ok and rep.ok):
+                        raise SystemExit(
+                            f"{tid} failed: D {got}, P {rep} (CPU KV needs one block size)"
+                        )
                     if i == 1:  # verify one transfer per case
                         ps, ds = p.block_sums(list(p_blocks)), d.block_sums(list(d_blocks))
+                        if nb != d_nb:  # other block sizes: compare each layer's total
+                            ps, ds = ps.sum(axis=1), ds.sum(axis=1)
                         assert (ps == ds).all(), f"{tid}: moved blocks differ"
                     if i:
                         samples.append((rep, got))
@@ -123,6 +131,8 @@ def run_pair(args: argparse.Namespace, shape: dict, mode: str, rows: list[dict])
                         paths=mode,
                         path=r0.path,
                         kv_layout=args.kv_layout or "synthetic",
+                        p_block_size=16,
+                        d_block_size=args.d_block_size,
                         tokens=n,
                         layout=layout,
                         mib=r0.bytes_total / 2**20,
