@@ -30,10 +30,11 @@ SHAPE = dict(num_layers=4, num_blocks=96, block_size=16, num_kv_heads=4, token_b
 def pair() -> Iterator[Callable[..., tuple[RankProcess, RankProcess]]]:
     started: list[RankProcess] = []
 
-    def start(device: str, **kw: object) -> tuple[RankProcess, RankProcess]:
+    def start(device: str, d_block_size: int = 16, **kw: object) -> tuple[RankProcess, RankProcess]:
         shape = {**SHAPE, **kw}
         p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
         started.append(p)
+        shape["block_size"] = d_block_size
         d = RankProcess(RankSpec("D", "decode", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
         started.append(d)
         return p, d
@@ -58,8 +59,10 @@ def push(
     got = next(x for x in d.received if x.transfer_id == tid)
     report = next(r for r in p.reports if r.transfer_id == tid)
     assert got.ok and report.ok, f"{tid}: {got} {report}"
-    full = n // p.spec.block_size  # whole blocks: every byte of them is the prompt's
-    ps, ds = p.block_sums(list(p_blocks[:full])), d.block_sums(list(d_blocks[:full]))
+    full, d_full = n // p.spec.block_size, n // d.spec.block_size  # blocks the prompt fills
+    ps, ds = p.block_sums(list(p_blocks[:full])), d.block_sums(list(d_blocks[:d_full]))
+    if full != d_full:  # other block sizes: each layer's total
+        ps, ds = ps.sum(axis=1), ds.sum(axis=1)
     assert (ps == ds).all(), f"{tid}: moved blocks differ (path {report.path})"
     return got, report
 
@@ -96,6 +99,17 @@ def test_gpu_paths_push_every_byte_after_the_forward(
             assert report.path == want, report.path_reason
         if report.path == "ipc":
             assert report.descriptors == 0 and report.stage_ms.get("copy", -1) >= 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_layout", ["BLHNC", "BLNHC"])
+@pytest.mark.parametrize("d_block_size", [32, 8])
+def test_gpu_ipc_between_block_sizes(pair, kv_layout: str, d_block_size: int) -> None:
+    p, d = pair("cuda:0", d_block_size=d_block_size, kv_layout=kv_layout, xfer_paths="auto")
+    n = 16 * 16  # whole blocks on both sides
+    d_blocks = tuple(range(95, 95 - 2 * (n // d_block_size), -2))  # scattered
+    _, report = push(p, d, "bs", n, d_blocks, seed=11)
+    assert report.path == "ipc", report.path_reason
 
 
 @pytest.fixture

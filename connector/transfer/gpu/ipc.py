@@ -14,6 +14,7 @@ tables). That is how CI checks the path bytewise without a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -139,14 +140,19 @@ class IpcPush:
         *,
         after: Any | None = None,
         backend: Backend = "auto",
+        more: Sequence[tuple[RowTable, torch.Tensor, RowTable, torch.Tensor]] = (),
     ) -> None:
-        if dst.device.type != src.device.type:
+        """``more``: further (src, src_ids, dst, dst_ids) copies of the same transfer (other
+        columns of the rows, when P's and D's blocks differ in size), one launch each."""
+        copies = [(src, src_ids, dst, dst_ids), *more]
+        if any(d.device.type != s.device.type for s, _, d, _ in copies):
             raise LocalProtocolError("IpcPush: source and destination on different kinds")
         self._t, self.peer, self.notif = transport, peer, notif
         lane.wait_for(after)  # the forward's event: never read KV before it is written
         self.begin = lane.record()
         with lane.active():
-            copy_rows(src, src_ids, dst, dst_ids, backend=backend)
+            for s_rows, s_ids, d_rows, d_ids in copies:
+                copy_rows(s_rows, s_ids, d_rows, d_ids, backend=backend)
         self.end = lane.record()
         self.sent = False
         self.quiet = False  # aborted: finish the copy, send nothing

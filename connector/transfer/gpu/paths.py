@@ -101,15 +101,24 @@ def paths_for(
 
 
 @dataclass
+class _Segment:
+    """One copy launch: bytes ``p_cols`` of P's rows ``src`` into ``d_cols`` of D's ``dst``."""
+
+    p_cols: tuple[int, int]
+    d_cols: tuple[int, int]
+    src: list[int]
+    dst: list[int]
+
+
+@dataclass
 class _IpcPlan:
-    src: list[int]  # P's blocks
-    dst: list[int]  # D's blocks, one per P block
-    p_cols: tuple[int, int]  # the bytes of each P row that move
-    d_cols: tuple[int, int]  # where they land in each D row
+    segments: list[_Segment]
+    units: int  # copy units (blocks, or the smaller side's blocks when sizes differ)
+    whole: bool  # whole rows on both sides, one launch
 
     @property
-    def row_bytes(self) -> int:
-        return self.p_cols[1] - self.p_cols[0]
+    def nbytes_per_region(self) -> int:
+        return sum((g.p_cols[1] - g.p_cols[0]) * len(g.src) for g in self.segments)
 
 
 def _columns(rows: RowTable, cols: tuple[int, int]) -> RowTable:
@@ -217,44 +226,75 @@ class GpuPaths:
     def _plan(
         self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange, mapped: _Mapped
     ) -> _IpcPlan | str:
-        """What an IPC copy to ``reg`` moves (P's heads ``heads`` of the blocks), or why it
-        cannot. Whole block rows where P and D hold the same heads; otherwise (another TP
-        size) the heads' contiguous bytes of each row, which needs head-major blocks."""
+        """What an IPC copy to ``reg`` moves (P's heads ``heads``), or why it cannot. Whole
+        block rows where P and D hold the same heads in the same geometry, one launch;
+        otherwise (another TP size, another block size) the contiguous byte runs of each row
+        that move, one launch per run and sub-block position."""
         lay, d = self.layout, reg.layout
-        if (d.block_size, d.token_bytes, d.region_keys()) != (
-            lay.block_size,
-            lay.token_bytes,
-            lay.region_keys(),
-        ):
+        if (d.token_bytes, d.region_keys()) != (lay.token_bytes, lay.region_keys()):
             return "block geometry differs"
         if mapped.rows.num_regions != self.rows.num_regions:
             return "mapped rows differ"
-        if heads == lay.heads == d.heads and d.strides() == lay.strides():
-            if mapped.rows.row_bytes != self.rows.row_bytes:
-                return "mapped rows differ"
-            p_cols = d_cols = (0, self.rows.row_bytes)
-        else:
-            hs = lay.block_size * lay.token_bytes  # a head's bytes of one block
-            dense = (hs, lay.token_bytes)
-            if lay.strides() != dense or d.strides() != dense:
-                return "heads are not contiguous inside a block"
-            if (self.rows.row_bytes, mapped.rows.row_bytes) != (
-                lay.num_heads * hs,
-                d.num_heads * hs,
-            ):
-                return "mapped rows differ"
-            p_cols = ((heads[0] - lay.heads[0]) * hs, (heads[1] - lay.heads[0]) * hs)
-            d_cols = ((heads[0] - d.heads[0]) * hs, (heads[1] - d.heads[0]) * hs)
         if len(src_blocks) != 1 or len(reg.block_ids) != 1:
             return "several KV groups"
-        bs = lay.block_size
-        if reg.first_token % bs:
-            return "first token inside a block"
-        src = list(src_blocks[0][reg.first_token // bs : -(-reg.num_tokens // bs)])
-        dst = list(reg.block_ids[0])
-        if len(src) != len(dst):
+        bp, bd, first = lay.block_size, d.block_size, reg.first_token
+        small = min(bp, bd)
+        if max(bp, bd) % small or first % bd:
+            return "block sizes do not divide"
+        # One unit per `small` tokens: where it is in P's and D's blocks.
+        starts = np.arange(first, reg.num_tokens, small, dtype=np.int64)
+        if starts.size == 0:
+            return _IpcPlan([], 0, True)
+        p_blocks, d_blocks = np.asarray(src_blocks[0]), np.asarray(reg.block_ids[0])
+        p_at, p_sub = np.divmod(starts, bp)
+        d_at, d_sub = np.divmod(starts - first, bd)
+        if int(p_at[-1]) >= p_blocks.size or int(d_at[-1]) >= d_blocks.size:
             return "block counts differ"
-        return _IpcPlan(src, dst, p_cols, d_cols)
+        if bp == bd and heads == lay.heads == d.heads and d.strides() == lay.strides():
+            if mapped.rows.row_bytes != self.rows.row_bytes:
+                return "mapped rows differ"
+            whole = (0, self.rows.row_bytes)
+            seg = _Segment(whole, whole, p_blocks[p_at].tolist(), d_blocks[d_at].tolist())
+            return _IpcPlan([seg], int(starts.size), True)
+        found = self._runs(lay, d, heads, small)
+        if isinstance(found, str):
+            return found
+        runs, step = found
+        if (self.rows.row_bytes, mapped.rows.row_bytes) != (lay.block_bytes, d.block_bytes):
+            return "mapped rows differ"
+        segments = []
+        p_sub, d_sub = p_sub // small, d_sub // small
+        for ps, ds in sorted(set(zip(p_sub.tolist(), d_sub.tolist(), strict=True))):
+            pick = (p_sub == ps) & (d_sub == ds)
+            src, dst = p_blocks[p_at[pick]].tolist(), d_blocks[d_at[pick]].tolist()
+            for p_off, d_off, length in runs:
+                p_cols = (p_off + ps * step, p_off + ps * step + length)
+                d_cols = (d_off + ds * step, d_off + ds * step + length)
+                segments.append(_Segment(p_cols, d_cols, src, dst))
+        return _IpcPlan(segments, int(starts.size), False)
+
+    @staticmethod
+    def _runs(
+        lay: KVLayout, d: KVLayout, heads: HeadRange, small: int
+    ) -> tuple[list[tuple[int, int, int]], int] | str:
+        """(P offset, D offset, bytes) of each run one unit of ``small`` tokens of ``heads``
+        fills in a block row at sub-block 0, and the bytes sub-block j adds j times."""
+        tb = lay.token_bytes
+        hnd_p, hnd_d = (lay.block_size * tb, tb), (d.block_size * tb, tb)
+        nhd_p, nhd_d = (tb, lay.num_heads * tb), (tb, d.num_heads * tb)
+        if lay.strides() == hnd_p and d.strides() == hnd_d:  # head-major: a run per head
+            runs = [
+                ((h - lay.heads[0]) * hnd_p[0], (h - d.heads[0]) * hnd_d[0], small * tb)
+                for h in range(*heads)
+            ]
+            if lay.block_size == d.block_size:  # consecutive heads are adjacent on both sides
+                runs = [(runs[0][0], runs[0][1], small * tb * len(runs))]
+            return runs, small * tb
+        if lay.strides() == nhd_p and d.strides() == nhd_d:  # token-major
+            if not heads == lay.heads == d.heads:
+                return "another TP size with token-major blocks"
+            return [(0, 0, small * lay.num_heads * tb)], small * lay.num_heads * tb
+        return "block interiors differ"
 
     def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
         mapped = self._mapped.get(reg.d_addr.agent)
@@ -263,14 +303,19 @@ class GpuPaths:
         plan = self._plan(reg, src_blocks, heads, mapped)
         if isinstance(plan, str):
             return PathChoice(XferPath.DIRECT, f"direct: {plan}", ())
-        if not plan.src:
+        if not plan.units:
             return PathChoice(XferPath.DIRECT, "empty", ())
-        nbytes = len(plan.src) * plan.row_bytes * self.rows.num_regions
+        nbytes = plan.nbytes_per_region * self.rows.num_regions
         if self.mode == "ipc":
             return PathChoice(XferPath.IPC, "xfer_paths is ipc", (), nbytes)
-        whole = plan.p_cols == (0, self.rows.row_bytes)
+        seg = plan.segments[0]
+        descriptors = (
+            self._direct_descriptors(seg.src, seg.dst)
+            if plan.whole
+            else plan.units * len(self.layout.regions) * len(plan.segments)  # no run merges
+        )
         return choose_path(
-            self._direct_descriptors(plan.src, plan.dst, whole),
+            descriptors,
             nbytes,
             src_mem=self.layout.mem_type,
             dst_mem=reg.layout.mem_type,
@@ -279,13 +324,13 @@ class GpuPaths:
             model=self.model,
         )
 
-    def _direct_descriptors(self, src: list[int], dst: list[int], whole: bool = True) -> int:
-        """What the direct plan would post, without planning it: one descriptor per run of
-        blocks consecutive on both sides, times the regions unless whole blocks of all
-        layers are one page on both (block-outermost, the same geometry on both sides)."""
+    def _direct_descriptors(self, src: list[int], dst: list[int]) -> int:
+        """What the direct plan would post for whole rows, without planning it: one
+        descriptor per run of blocks consecutive on both sides, times the regions unless a
+        block of all layers is one page on both (block-outermost, the same geometry)."""
         a, b = np.asarray(src), np.asarray(dst)
         runs = 1 + int(np.count_nonzero((np.diff(a) != 1) | (np.diff(b) != 1)))
-        return runs * (1 if self._layers_adjacent and whole else len(self.layout.regions))
+        return runs * (1 if self._layers_adjacent else len(self.layout.regions))
 
     def start(
         self,
@@ -301,19 +346,26 @@ class GpuPaths:
         plan = self._plan(reg, src_blocks, heads, mapped)
         if isinstance(plan, str):
             raise LayoutError(f"IPC write to {reg.d_addr.agent}: {plan}")
+        copies = []
         with self._lane.active():  # the ids' upload is ordered before the copy on its stream
-            src = torch.tensor(plan.src, dtype=torch.int64, device=self.rows.device)
-            dst = torch.tensor(plan.dst, dtype=torch.int64, device=mapped.rows.device)
+            for seg in plan.segments:
+                src = torch.tensor(seg.src, dtype=torch.int64, device=self.rows.device)
+                dst = torch.tensor(seg.dst, dtype=torch.int64, device=mapped.rows.device)
+                copies.append(
+                    (_columns(self.rows, seg.p_cols), src, _columns(mapped.rows, seg.d_cols), dst)
+                )
+        (s_rows, s_ids, d_rows, d_ids), *more = copies
         push = IpcPush(
             self._t,
             reg.d_addr.agent,
-            _columns(self.rows, plan.p_cols),
-            src,
-            _columns(mapped.rows, plan.d_cols),
-            dst,
+            s_rows,
+            s_ids,
+            d_rows,
+            d_ids,
             self._lane,
             notif,
             backend=self.backend,
+            more=more,
         )
         self._waiter.watch(push.end)
         return IpcWrite(push)

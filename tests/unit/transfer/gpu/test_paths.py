@@ -52,13 +52,15 @@ class GpuPair:
         mode: Mode = "ipc",
         d_block_size: int = 4,
         node: str | None = None,
+        layouts: tuple[str, str] = ("BLHNC", "BLHNC"),  # P's and D's vLLM cache layouts
         p_tp: tuple[int, int] = (0, 1),  # (rank, TP size) of P, and of D below
         d_tp: tuple[int, int] = (0, 1),
     ) -> None:
         self.fabric, self.now = FakeFabric(), 0
         self.p_heads, self.d_heads = head_range(*p_tp, H), head_range(*d_tp, H)
-        self.p_raw, self.p_views = kv(4, seed=1, heads=self.p_heads[1] - self.p_heads[0])
-        self.d_raw, self.d_views = kv(d_block_size, None, heads=self.d_heads[1] - self.d_heads[0])
+        p_h, d_h = self.p_heads[1] - self.p_heads[0], self.d_heads[1] - self.d_heads[0]
+        self.p_raw, self.p_views = kv(4, seed=1, layout=layouts[0], heads=p_h)
+        self.d_raw, self.d_views = kv(d_block_size, None, layout=layouts[1], heads=d_h)
         # On CPU, sharing moves a storage into shared memory: export before any address is taken.
         offer = make_offer(RowTable.of(block_row_views(self.d_views)), D_ADDR, d_tp[0])
         if node is not None:
@@ -189,6 +191,27 @@ def test_ipc_into_one_rank_of_a_wider_d_takes_the_heads_it_holds() -> None:
             assert torch.equal(d_t[db].view(torch.uint8), p_t[pb, 1:].view(torch.uint8))  # head 1
 
 
+@pytest.mark.parametrize("layout", ["BLHNC", "LBNHC"])  # head-major, token-major
+@pytest.mark.parametrize(
+    ("d_block_size", "p_blocks", "d_blocks", "n"),
+    [(2, (7, 2, 9), (4, 11, 0, 1, 6, 3), 11), (8, (7, 2, 9, 5), (4, 11), 14)],
+)
+def test_ipc_between_block_sizes_puts_every_token_in_its_place(
+    layout: str, d_block_size: int, p_blocks: tuple, d_blocks: tuple, n: int
+) -> None:
+    pair = GpuPair("ipc", d_block_size=d_block_size, layouts=(layout, layout))
+    pair.transfer("t1", p_blocks, d_blocks, n)
+    (report,) = pair.reports
+    assert report.ok and report.path == "ipc", report.path_reason
+    assert pair.receiver.finished[0].ok
+    p_bytes, d_bytes = (
+        pair.tokens(pair.p_views, p_blocks, n),
+        pair.tokens(pair.d_views, d_blocks, n),
+    )
+    for p, d in zip(p_bytes, d_bytes, strict=True):
+        assert torch.equal(p.view(torch.uint8), d.view(torch.uint8))
+
+
 def test_the_offer_goes_to_each_p_agent_once() -> None:
     pair = GpuPair("ipc")
     pair.transfer("t1", (1,), (2,), 4)
@@ -212,14 +235,13 @@ def test_auto_keeps_host_memory_direct_and_still_moves_the_bytes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "why"),
     [
-        ({"d_block_size": 2}, "block geometry differs"),
+        ({"layouts": ("BLHNC", "BLNHC")}, "block interiors differ"),
         ({"node": "another-host"}, "no IPC offer taken"),
     ],
 )
 def test_what_ipc_cannot_serve_goes_direct_with_the_reason(kwargs: dict, why: str) -> None:
     pair = GpuPair("ipc", **kwargs)
-    d_blocks = (4, 11, 0, 1) if kwargs.get("d_block_size") == 2 else (4, 11)
-    pair.transfer("t1", (7, 2), d_blocks, 8)
+    pair.transfer("t1", (7, 2), (4, 11), 8)
     (report,) = pair.reports
     assert report.ok and report.path == XferPath.DIRECT.value
     assert why in report.path_reason
