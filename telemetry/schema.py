@@ -190,6 +190,7 @@ class Metric(str, Enum):
     # router
     ROUTER_REQUESTS = "pushkv_router_requests_total"
     ROUTER_RETRIES = "pushkv_router_retries_total"
+    ROUTER_DEGRADED = "pushkv_router_degraded_requests_total"
     ROUTER_LEGS = "pushkv_router_legs_total"
     ROUTER_TTFT = "pushkv_router_ttft_seconds"
     ROUTER_E2E = "pushkv_router_e2e_seconds"
@@ -249,17 +250,22 @@ METRICS: Final[dict[Metric, tuple[str, tuple[MetricLabel, ...], str]]] = {
     Metric.ROUTER_REQUESTS: (
         "counter",
         (_L.MODE, _L.OUTCOME),
-        "Client requests by mode and outcome (ok, degraded, cancelled, http_<status>).",
+        "Client requests by mode and outcome (ok, cancelled, http_<status>, error).",
     ),
-    Metric.ROUTER_RETRIES: ("counter", (_L.MODE,), "Attempts retried before the first byte."),
+    Metric.ROUTER_RETRIES: (
+        "counter",
+        (_L.ROLE,),
+        "Attempts retried before the first byte, by the failed leg's role.",
+    ),
+    Metric.ROUTER_DEGRADED: ("counter", (), "Attempts sent to D alone while no P was usable."),
     Metric.ROUTER_LEGS: (
         "counter",
         (_L.ROLE, _L.BACKEND, _L.OUTCOME),
-        "Legs sent, by role, backend and outcome.",
+        "Legs ended, by role, backend and outcome (ok, error, cancelled).",
     ),
-    Metric.ROUTER_TTFT: ("histogram", (_L.MODE,), "Request in to first token sent."),
-    Metric.ROUTER_E2E: ("histogram", (_L.MODE,), "Request in to last byte sent."),
-    Metric.ROUTER_OVERHEAD: ("histogram", (_L.MODE,), "Request in to both legs sent."),
+    Metric.ROUTER_TTFT: ("histogram", (_L.MODE,), "Request in to first token sent (ok only)."),
+    Metric.ROUTER_E2E: ("histogram", (_L.MODE,), "Request in to answer complete (ok only)."),
+    Metric.ROUTER_OVERHEAD: ("histogram", (_L.MODE,), "Request in to its first leg sent."),
     Metric.ROUTER_BACKEND_HEALTHY: ("gauge", (_L.ROLE, _L.BACKEND), "1 if healthy, else 0."),
     Metric.ROUTER_OUTSTANDING: ("gauge", (_L.ROLE, _L.BACKEND), "Legs in flight per backend."),
 }
