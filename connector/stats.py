@@ -37,6 +37,18 @@ BUCKETS: dict[Metric, list[float]] = {
 _SUMMED = frozenset({Metric.BLOCKS_HELD.value, Metric.WRITES_IN_FLIGHT.value})
 
 
+def combine_gauges(ranks: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each gauge over the TP ranks' latest values (summed or the largest, see _SUMMED)."""
+    out: dict[str, float] = {}
+    for gauges in ranks.values():
+        for name, value in gauges.items():
+            if name not in out:
+                out[name] = value
+            else:
+                out[name] = out[name] + value if name in _SUMMED else max(out[name], value)
+    return out
+
+
 def _empty() -> dict[str, Any]:
     return {"samples": {}, "counts": {}, "gauges": {}}
 
@@ -83,6 +95,8 @@ class PushkvStats:
             if name.endswith("_seconds") and values:
                 short = name.removeprefix("vllm:pushkv_").removesuffix("_seconds")
                 out[f"avg {short} ms"] = round(sum(values) / len(values) * 1e3, 3)
+        for name, value in sorted(combine_gauges(self.data["gauges"]).items()):
+            out[name.removeprefix("vllm:pushkv_")] = round(value, 3)
         return out
 
 
@@ -152,9 +166,6 @@ class PushkvPromMetrics:
             return
         ranks = self._ranks.setdefault(engine_idx, {})
         ranks.update(transfer_stats_data["gauges"])
-        names = {n for gauges in ranks.values() for n in gauges}
-        for name in names:
-            if (child := self._child(name, engine_idx)) is None:
-                continue
-            values = [g[name] for g in ranks.values() if name in g]
-            child.set(sum(values) if name in _SUMMED else max(values))
+        for name, value in combine_gauges(ranks).items():
+            if (child := self._child(name, engine_idx)) is not None:
+                child.set(value)

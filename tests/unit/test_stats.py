@@ -32,7 +32,12 @@ def test_aggregate_joins_samples_adds_counts_and_keeps_each_ranks_gauges() -> No
     assert set(agg.data["gauges"]) == {"0", "1"}
     later = agg.aggregate(_rank(0, [], 0, 0))
     assert later.data["gauges"]["0"][Metric.BLOCKS_HELD.value] == 0, "a later step wins"
-    assert later.reduce() == {"send done": 3, "avg write ms": 2.0}
+    assert later.reduce() == {
+        "send done": 3,
+        "avg write ms": 2.0,
+        "blocks_held": 6,  # rank 0 now holds none, rank 1 six
+        "oldest_held_seconds": 0.6,
+    }
     assert not later.is_empty() and PushkvStats().is_empty()
 
 
