@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -147,3 +148,42 @@ def test_docker_compose_config_validates_with_the_metrics_profile() -> None:
     services = json.loads(out.stdout)["services"]
     assert {"jaeger", "dashboard", "prometheus", "grafana"} <= set(services)
     _check_metrics_profile(services)
+
+
+def board_queries(rate_interval: str = "1m") -> list[str]:
+    """The board's PromQL as Prometheus gets it (Grafana's variables filled in)."""
+    return [e.replace("$__rate_interval", rate_interval) for e in _exprs()]
+
+
+def _promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.skip("no promtool (Debian's prometheus package; scripts/install.sh installs it)")
+    return found
+
+
+def test_promtool_parses_every_query_and_the_scrape_config(tmp_path: Path) -> None:
+    promtool = _promtool()
+    rules = {
+        "groups": [
+            {
+                "name": "board",
+                "rules": [
+                    {"record": f"board:query_{i}", "expr": e} for i, e in enumerate(board_queries())
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "board-rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    checked = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    config = subprocess.run(
+        [promtool, "check", "config", "--syntax-only", str(PROMETHEUS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert config.returncode == 0, config.stdout + config.stderr
