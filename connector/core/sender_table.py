@@ -43,6 +43,7 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
         # Transfers whose source blocks we hold -> (since, blocks), in the order they were
         # first held (now_ns only grows): the oldest is the first, O(1) for metrics.
         self._held: dict[str, tuple[int, int]] = {}
+        self._held_blocks = 0  # the sum of their blocks
 
     def handle(self, event: ev.SendEvent, now_ns: int) -> list[ev.SendAction]:
         tid = _transfer_id(event)
@@ -70,9 +71,11 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
         rec = self._records.get(tid)
         if rec is not None and rec.blocks_held:
             if tid not in self._held:
-                self._held[tid] = (now_ns, sum(len(g) for g in rec.block_ids))
-        else:
-            self._held.pop(tid, None)
+                n = sum(len(g) for g in rec.block_ids)
+                self._held[tid] = (now_ns, n)
+                self._held_blocks += n
+        elif (gone := self._held.pop(tid, None)) is not None:
+            self._held_blocks -= gone[1]
         return actions
 
     def _transition(
@@ -91,7 +94,7 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
         if not self._held:
             return 0, 0
         oldest = next(iter(self._held.values()))[0]
-        return sum(n for _, n in self._held.values()), now_ns - oldest
+        return self._held_blocks, now_ns - oldest
 
     def awaiting_network(self) -> bool:
         """True when something on the critical path may arrive any moment: poll fast."""
