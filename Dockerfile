@@ -17,4 +17,5 @@ EXPOSE 8501
 # compose publishes it on the host's 127.0.0.1 only
 CMD ["streamlit", "run", "dashboard/app.py", "--server.address", "0.0.0.0", \
      "--server.port", "8501", "--server.headless", "true", \
-     "--browser.gatherUsageStats", "false", "--server.enableStaticServing", "true"]
+     "--browser.gatherUsageStats", "false", "--server.enableStaticServing", "true", \
+     "--client.toolbarMode", "minimal"]

@@ -30,6 +30,7 @@ from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
+from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("pushkv needs a stable engine_id in --kv-transfer-config")
         self._cfg = parse_config(ktc.kv_connector_extra_config)
         self._sched: SchedulerSide | None = None
+        self._recompute = ktc.kv_load_failure_policy == "recompute"
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
             trust = LegTrust(load_secret(self._cfg), frozenset(self._cfg.trusted_prefill))
@@ -188,6 +190,33 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
+
+    # ================================================================ metrics
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PushkvStats:
+        return PushkvStats(data) if data is not None else PushkvStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PushkvPromMetrics:
+        return PushkvPromMetrics(metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> PushkvStats | None:  # type: ignore[override]
+        try:
+            if self._worker is not None:
+                data = self._worker.stats()
+            else:
+                assert self._sched is not None
+                data = recomputed_counts(self._sched.recomputed, self._recompute)
+            return PushkvStats(data) if data else None
+        except Exception:  # metrics must never stop a step
+            logger.exception("pushkv get_kv_connector_stats failed")
+            return None
 
     # ================================================================ worker role
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

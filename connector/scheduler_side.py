@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,8 @@ class SchedulerSide:
         # D: requests whose KV arrived and whose first token is not out yet (first_token span).
         self._first: dict[str, _Req] = {}
         self._tracer = engine_tracer(engine_id, producer=False) if is_consumer else None
+        # Requests computed locally, by why (metrics: connector/plugin.py drains it).
+        self.recomputed: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ set-up
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -129,6 +132,7 @@ class SchedulerSide:
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
+            self.recomputed["bad_params"] += 1
             self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
 
     def _untrusted(self, rid: str, leg: DecodeLeg, exc: UntrustedLeg) -> None:
@@ -282,10 +286,13 @@ class SchedulerSide:
                 # request_finished, which then frees the blocks itself.
                 sending.discard(rid)
             self._enter(rid, rec, move)
+        failed = getattr(output, "failed_recving", None) or set()
         for rid in output.finished_recving or ():
             rec = self._reqs.get(rid)
             if rec is None:
                 continue
+            if rid in failed:
+                self.recomputed["transfer_failed"] += 1  # or failed: kv_load_failure_policy
             move = self._next(rid, rec, lc.RecvReported(rid))
             if move.effect is Effect.TIME_FIRST_TOKEN and self._tracer is not None:
                 rec.kv_ns = time.time_ns()

@@ -26,6 +26,7 @@ from connector.kv_tensors import block_row_views, describe_kv_caches
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
 from connector.transfer.guard import Guard
+from connector.transfer.metrics import RankMetrics, Tee
 from connector.transfer.peers import Peers
 from connector.transfer.receiver import Receiver
 from connector.transfer.sender import Sender
@@ -66,6 +67,7 @@ class WorkerSide:
         self._transport: Any = None
         self._handshake: Handshake | None = None
         self._plan: StepPlan | None = None
+        self._metrics = RankMetrics(tp_rank)
 
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -105,7 +107,7 @@ class WorkerSide:
         me = RankInfo(
             self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
         )
-        spans = self._spans()
+        spans = Tee(self._spans(), self._metrics)
         paths, offer = self._gpu_paths(kv_caches, layout, me)
         sender = receiver = None
         if self.is_producer:
@@ -139,6 +141,7 @@ class WorkerSide:
             bell=bell,
             backoff=self.cfg.backoff(bell is not None),
             guard=guard,
+            metrics=self._metrics,
         )
         self.thread.start()
         self._handshake = Handshake(name, host, port)
@@ -275,6 +278,10 @@ class WorkerSide:
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()
         return sent, {r.request_id for r in received}, {r.request_id for r in received if not r.ok}
+
+    def stats(self) -> dict[str, Any] | None:
+        """This rank's metrics since the last call (``connector.transfer.metrics``)."""
+        return self._metrics.drain() if self.thread is not None else None
 
     def shutdown(self) -> None:
         if self.thread is not None:

@@ -37,6 +37,8 @@ def command(
         "false",
         "--server.enableStaticServing",
         "true",  # dashboard.views.chart's light bundle
+        "--client.toolbarMode",
+        "minimal",  # no "Deploy" button
         "--",
         "--run-dir",
         str(Path(run_dir).resolve()),

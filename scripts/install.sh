@@ -34,3 +34,9 @@ PY
 if [ ! -x /usr/bin/chromium ]; then
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 fi
+
+# The metrics tests: Debian's Prometheus scrapes P, D and the router (tests/e2e/test_metrics_e2e.py)
+# and its promtool parses the Grafana board's queries. Installed, not started.
+if ! command -v prometheus >/dev/null; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+fi

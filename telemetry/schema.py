@@ -1,7 +1,8 @@
-"""The span schema of pushkv: every span name and attribute key, in one place.
+"""The span and metric schema of pushkv: every span name, attribute key and metric name.
 
-Owns: the names. The connector, the router and the dashboard import them; no span name or
-pushkv attribute key is spelled anywhere else. Imports nothing (cheap in every process).
+Owns: the names (``Metric`` and its catalog ``METRICS`` are the Prometheus side). The
+connector, the router and the dashboard import them; no span name, pushkv attribute key or
+metric name is spelled anywhere else. Imports nothing (cheap in every process).
 
 One trace per request: the router's ``request`` span is the root; P's and D's spans join it
 through the W3C ``traceparent`` the router puts in both legs (headers and
@@ -154,3 +155,118 @@ class Resource(str, Enum):
     ROLE = "pushkv.role"
     ENGINE_ID = "pushkv.engine_id"
     TP_RANK = "pushkv.tp_rank"
+
+
+class Metric(str, Enum):
+    """Prometheus metric names. The engine's (``vllm:pushkv_*``) go through vLLM's
+    connector-stats hooks onto each vLLM server's ``/metrics``, next to vLLM's own and with
+    its labels (``model_name``, ``engine``); each TP rank counts its own transfers. The
+    router's (``pushkv_router_*``) are on the router's ``/metrics``. Kinds, extra labels
+    and help texts are in ``METRICS``; docs/operations.md#metrics says what each means."""
+
+    # P (producer): one observation per transfer and rank, successful transfers only
+    RENDEZVOUS_WAIT = "vllm:pushkv_rendezvous_wait_seconds"
+    PREPARE = "vllm:pushkv_prepare_descriptors_seconds"
+    WRITE = "vllm:pushkv_write_seconds"
+    WRITE_THROUGHPUT = "vllm:pushkv_write_throughput_bytes_per_second"
+    PUSH = "vllm:pushkv_push_seconds"
+    BYTES = "vllm:pushkv_transfer_bytes"
+    DESCRIPTORS = "vllm:pushkv_transfer_descriptors"
+    # D (consumer)
+    KV_WAIT = "vllm:pushkv_kv_wait_seconds"
+    RECOMPUTED = "vllm:pushkv_recomputed_requests_total"
+    # both sides
+    TRANSFERS = "vllm:pushkv_transfers_total"
+    DROPPED = "vllm:pushkv_messages_dropped_total"
+    HEARTBEATS = "vllm:pushkv_heartbeats_total"
+    DOORBELLS = "vllm:pushkv_doorbell_rings_total"
+    # gauges: P
+    REGISTRATIONS_WAITING = "vllm:pushkv_registrations_waiting"
+    PREFILLS_WAITING = "vllm:pushkv_prefills_waiting"
+    BLOCKS_HELD = "vllm:pushkv_blocks_held"
+    OLDEST_HELD = "vllm:pushkv_oldest_held_seconds"
+    WRITES_IN_FLIGHT = "vllm:pushkv_writes_in_flight"
+    # gauge: D
+    AWAITING_KV = "vllm:pushkv_transfers_awaiting_kv"
+    # router
+    ROUTER_REQUESTS = "pushkv_router_requests_total"
+    ROUTER_RETRIES = "pushkv_router_retries_total"
+    ROUTER_DEGRADED = "pushkv_router_degraded_requests_total"
+    ROUTER_LEGS = "pushkv_router_legs_total"
+    ROUTER_TTFT = "pushkv_router_ttft_seconds"
+    ROUTER_E2E = "pushkv_router_e2e_seconds"
+    ROUTER_OVERHEAD = "pushkv_router_overhead_seconds"
+    ROUTER_BACKEND_HEALTHY = "pushkv_router_backend_healthy"
+    ROUTER_OUTSTANDING = "pushkv_router_backend_outstanding_legs"
+
+
+class MetricLabel(str, Enum):
+    """Labels of pushkv's metrics beyond vLLM's own."""
+
+    SIDE = "side"  # "send" (P) | "recv" (D)
+    OUTCOME = "outcome"  # done | failed | cancelled | expired (router: ok | error | ...)
+    REASON = "reason"  # a FailReason value, or "" when done
+    FIRST = "first"  # rendezvous: "registration" | "prefill" arrived first
+    PATH = "path"  # "direct" | "ipc" (per target, joined by ",")
+    DIRECTION = "direction"  # "sent" | "received"
+    MODE = "mode"  # router mode
+    ROLE = "role"  # "prefill" | "decode"
+    BACKEND = "backend"  # a backend's URL
+
+
+# (kind, extra labels, help) per metric; kind is "histogram" | "counter" | "gauge".
+_L = MetricLabel
+METRICS: Final[dict[Metric, tuple[str, tuple[MetricLabel, ...], str]]] = {
+    Metric.RENDEZVOUS_WAIT: (
+        "histogram",
+        (_L.FIRST,),
+        "P: first of (registration, prefill done) to the second, by which came first.",
+    ),
+    Metric.PREPARE: ("histogram", (), "P: block ids to NIXL descriptors."),
+    Metric.WRITE: ("histogram", (_L.PATH,), "P: first WRITE posted to last WRITE DONE."),
+    Metric.WRITE_THROUGHPUT: ("histogram", (_L.PATH,), "P: bytes per second of WRITE time."),
+    Metric.PUSH: ("histogram", (), "P: prompt KV complete to last WRITE DONE."),
+    Metric.BYTES: ("histogram", (), "P: bytes written per transfer."),
+    Metric.DESCRIPTORS: ("histogram", (), "P: NIXL descriptors per transfer (merged runs)."),
+    Metric.KV_WAIT: ("histogram", (), "D: registration sent to last completion counted."),
+    Metric.RECOMPUTED: (
+        "counter",
+        (_L.REASON,),
+        "D: requests computed locally (transfer_failed, bad_params).",
+    ),
+    Metric.TRANSFERS: (
+        "counter",
+        (_L.SIDE, _L.OUTCOME, _L.REASON),
+        "Transfers ended, by side, outcome and FailReason.",
+    ),
+    Metric.DROPPED: ("counter", (_L.REASON,), "Protocol messages dropped, by reason."),
+    Metric.HEARTBEATS: ("counter", (_L.DIRECTION,), "Lease heartbeats (D sends, P receives)."),
+    Metric.DOORBELLS: ("counter", (_L.DIRECTION,), "UDP doorbell rings."),
+    Metric.REGISTRATIONS_WAITING: ("gauge", (), "P: registrations waiting for their prefill."),
+    Metric.PREFILLS_WAITING: ("gauge", (), "P: finished prefills waiting for a registration."),
+    Metric.BLOCKS_HELD: ("gauge", (), "P: source blocks held for pushes (sum over ranks)."),
+    Metric.OLDEST_HELD: ("gauge", (), "P: age of the oldest held transfer's blocks."),
+    Metric.WRITES_IN_FLIGHT: ("gauge", (), "P: transfers with WRITEs in flight (sum)."),
+    Metric.AWAITING_KV: ("gauge", (), "D: transfers waiting for their KV."),
+    Metric.ROUTER_REQUESTS: (
+        "counter",
+        (_L.MODE, _L.OUTCOME),
+        "Client requests by mode and outcome (ok, cancelled, http_<status>, error).",
+    ),
+    Metric.ROUTER_RETRIES: (
+        "counter",
+        (_L.ROLE,),
+        "Attempts retried before the first byte, by the failed leg's role.",
+    ),
+    Metric.ROUTER_DEGRADED: ("counter", (), "Attempts sent to D alone while no P was usable."),
+    Metric.ROUTER_LEGS: (
+        "counter",
+        (_L.ROLE, _L.BACKEND, _L.OUTCOME),
+        "Legs ended, by role, backend and outcome (ok, error, cancelled).",
+    ),
+    Metric.ROUTER_TTFT: ("histogram", (_L.MODE,), "Request in to first token sent (ok only)."),
+    Metric.ROUTER_E2E: ("histogram", (_L.MODE,), "Request in to answer complete (ok only)."),
+    Metric.ROUTER_OVERHEAD: ("histogram", (_L.MODE,), "Request in to its first leg sent."),
+    Metric.ROUTER_BACKEND_HEALTHY: ("gauge", (_L.ROLE, _L.BACKEND), "1 if healthy, else 0."),
+    Metric.ROUTER_OUTSTANDING: ("gauge", (_L.ROLE, _L.BACKEND), "Legs in flight per backend."),
+}

@@ -40,6 +40,10 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
         self._targets_for = targets_for
         self.policy = policy
         self._max_records = max_records
+        # Transfers whose source blocks we hold -> (since, blocks), in the order they were
+        # first held (now_ns only grows): the oldest is the first, O(1) for metrics.
+        self._held: dict[str, tuple[int, int]] = {}
+        self._held_blocks = 0  # the sum of their blocks
 
     def handle(self, event: ev.SendEvent, now_ns: int) -> list[ev.SendAction]:
         tid = _transfer_id(event)
@@ -50,14 +54,29 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
         ):
             self._drop("table_full", f"{tid}: {len(self._records)} transfers already tracked")
             return []
-        return self._apply(tid, event, self._transition(now_ns))
+        return self._held_after(tid, now_ns, self._apply(tid, event, self._transition(now_ns)))
 
     def tick(self, now_ns: int) -> list[ev.SendAction]:
         """Fire every deadline that is due; forget tombstones that are old enough."""
         out: list[ev.SendAction] = []
         for tid in self._due(now_ns):
-            out += self._apply(tid, DeadlinePassed(tid), self._transition(now_ns))
+            out += self._held_after(
+                tid, now_ns, self._apply(tid, DeadlinePassed(tid), self._transition(now_ns))
+            )
         return out
+
+    def _held_after(
+        self, tid: str, now_ns: int, actions: list[ev.SendAction]
+    ) -> list[ev.SendAction]:
+        rec = self._records.get(tid)
+        if rec is not None and rec.blocks_held:
+            if tid not in self._held:
+                n = sum(len(g) for g in rec.block_ids)
+                self._held[tid] = (now_ns, n)
+                self._held_blocks += n
+        elif (gone := self._held.pop(tid, None)) is not None:
+            self._held_blocks -= gone[1]
+        return actions
 
     def _transition(
         self, now_ns: int
@@ -67,7 +86,15 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
 
     def holding_blocks(self) -> int:
         """Transfers whose source blocks we still owe the scheduler (has_pending_push_work)."""
-        return sum(1 for r in self._records.values() if r.blocks_held)
+        return len(self._held)
+
+    def held(self, now_ns: int) -> tuple[int, int]:
+        """For metrics: source blocks held for pushes, and how long (ns) the oldest of
+        them has been held (0 when none)."""
+        if not self._held:
+            return 0, 0
+        oldest = next(iter(self._held.values()))[0]
+        return self._held_blocks, now_ns - oldest
 
     def awaiting_network(self) -> bool:
         """True when something on the critical path may arrive any moment: poll fast."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from connector.core.deadlines import DeadlineHeap
 from connector.core.errors import RemoteProtocolError
@@ -26,6 +26,7 @@ class _State(Protocol):
 
 class _Record(Protocol):
     deadline_ns: int
+    reason: Any
 
     @property
     def state(self) -> _State: ...
@@ -42,6 +43,8 @@ class TransferTable(Generic[R, E, A]):
         self._deadlines = DeadlineHeap()
         self.dropped: Counter[str] = Counter()
         self.last_drop = ""
+        self.live: Counter[Any] = Counter()  # non-terminal records by state
+        self.ended: Counter[tuple[Any, Any]] = Counter()  # (terminal state, reason) entered
 
     def _apply(
         self,
@@ -52,16 +55,32 @@ class TransferTable(Generic[R, E, A]):
         """Run one transition on the record of ``tid``; keep the deadline heap current."""
         rec = self._records.get(tid)
         before = rec.deadline_ns if rec is not None else None
+        was = rec.state if rec is not None else None
         try:
             rec, actions = transition(rec, event)
         except RemoteProtocolError as exc:
             self._drop(type(event).__name__, str(exc))
-            return []
-        if rec is not None:
-            self._records[tid] = rec
-            if rec.deadline_ns != before:
-                self._deadlines.push(rec.deadline_ns, tid)
+            actions = []
+        else:
+            if rec is not None:
+                self._records[tid] = rec
+                if rec.deadline_ns != before:
+                    self._deadlines.push(rec.deadline_ns, tid)
+        self._count(was, self._records.get(tid))
         return actions
+
+    def _count(self, was: Any, rec: R | None) -> None:
+        # Read the state back even after a raise: the census must follow the records.
+        now = rec.state if rec is not None else None
+        if now == was:
+            return
+        if was is not None and not was.terminal:
+            self.live[was] -= 1
+        if now is not None and not now.terminal:
+            self.live[now] += 1
+        elif now is not None and (was is None or not was.terminal):
+            assert rec is not None
+            self.ended[(now, rec.reason)] += 1
 
     def _drop(self, kind: str, why: str) -> None:
         self.dropped[kind] += 1

@@ -3,8 +3,9 @@
 Owns: ``RouterState`` (everything one app instance holds: backends, in-flight background
 tasks, counters; no module globals), ``create_app(config)``, the endpoints
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/router/stats``), the attempts of one request (retry before the first byte, degraded
-mode), the client-disconnect watch, and ``main(argv)`` (uvicorn).
+``/router/stats``, ``/metrics``), the ids and timings every answer carries
+(``traceresponse``, ``Server-Timing``), the attempts of one request (retry before the
+first byte, degraded mode), the client-disconnect watch, and ``main(argv)`` (uvicorn).
 
 Must not import: vLLM, NIXL, torch (the router runs in its own process, next to neither).
 """
@@ -34,6 +35,7 @@ from connector.router import legs
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Lease, Role
 from connector.router.config import RouterConfig, parse_args
+from connector.router.metrics import RouterMetrics
 from connector.router.relay import SSE_DONE, Dispatch, Retry, from_exception, send_error
 from connector.router.tracing import RequestTrace
 from telemetry.schema import Outcome
@@ -56,6 +58,7 @@ class RouterState:
         self.degraded = 0  # requests sent to D alone while no P was usable
         self.router_errors = 0  # requests answered 502 for an exception of the router's own
         self.unauthorized = 0  # requests answered 401: no or a wrong API key
+        self.metrics = RouterMetrics(self)
 
     async def start(self) -> None:
         await self.backends.start()
@@ -102,8 +105,8 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
 class _Exchange:
     """What the endpoint learns while it answers: the status sent, whether the client left."""
 
-    def __init__(self, send: Send, state: RouterState) -> None:
-        self._send, self._state = send, state
+    def __init__(self, send: Send, state: RouterState, trace: RequestTrace) -> None:
+        self._send, self._state, self._trace = send, state, trace
         self.status: int | None = None
         self.complete = False
         self.disconnected = False
@@ -112,12 +115,23 @@ class _Exchange:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self._state.responses[message["status"]] += 1
+            message = {**message, "headers": self._stamped(message.get("headers", []))}
         elif message["type"] == "http.response.body" and (
             not message.get("more_body") or message.get("body", b"").endswith(SSE_DONE)
         ):
             # A client may hang up as soon as it has the stream's last event.
             self.complete = True
         await self._send(message)
+
+    def _stamped(self, headers: Any) -> list[tuple[bytes, bytes]]:
+        """Every answer names its trace; a whole (not streamed) one also carries the
+        segments the router saw, for the client's own timing tools."""
+        out = [*headers, (b"traceresponse", self._trace.traceresponse.encode())]
+        streamed = any(k.lower() == b"content-type" and b"event-stream" in v for k, v in headers)
+        if not streamed:
+            timing = self._trace.server_timing(time.time_ns())
+            out.append((b"server-timing", timing.encode()))
+        return out
 
     async def watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
         """The request body has been read, so the next message is the disconnect (uvicorn
@@ -146,8 +160,9 @@ class ProxyEndpoint:
             request.headers.get("traceparent"),
             mode=state.config.mode.value,
             endpoint=self.endpoint.name.lower(),
+            metrics=state.metrics,
         )
-        exchange = _Exchange(send, state)
+        exchange = _Exchange(send, state, trace)
         error: str | None = None
         try:
             error = await self._answer(scope, receive, request, trace, exchange)
@@ -165,8 +180,16 @@ class ProxyEndpoint:
                 error = Outcome.CANCELLED.value  # the client left before the answer was complete
             try:
                 trace.end(exchange.status, error)
+                state.metrics.request_ended(
+                    exchange.status,
+                    error,
+                    start_ns=trace.start_ns,
+                    first_leg_ns=trace.first_leg_ns,
+                    first_chunk_ns=trace.first_chunk_ns,
+                    end_ns=time.time_ns(),
+                )
             except Exception:  # telemetry must never break serving
-                logger.exception("Ending the request's spans failed")
+                logger.exception("Ending the request's spans or metrics failed")
 
     @staticmethod
     async def _router_error(
@@ -356,6 +379,10 @@ def create_app(
     async def stats(_request: Request) -> Response:
         return JSONResponse(state.stats())
 
+    async def metrics(_request: Request) -> Response:
+        body, ctype = state.metrics.render()
+        return Response(body, media_type=ctype)
+
     def rejected() -> None:
         state.unauthorized += 1
 
@@ -374,6 +401,7 @@ def create_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/router/stats", stats, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
     )

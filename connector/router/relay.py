@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -437,30 +438,40 @@ class Dispatch:
         # failure of either leg is still a plain error answer, or another attempt.
         started = False
         chunks = resp.aiter_bytes()
+        stamp = TraceStamp(self.trace.trace_id)
         tail = b"\n\n"
+
+        async def forward(data: bytes) -> None:
+            nonlocal started, tail
+            if not data:
+                return
+            if not started:
+                started = True
+                await send(self._response_start(resp))
+            self.trace.decode_bytes()
+            tail = (tail + data)[-len(SSE_DONE) :]
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            self.trace.sent(data, stream=True)
+            if tail == SSE_DONE:
+                self._d_done = True  # the client has it all and may hang up now
+
         while True:
             try:
                 chunk = await watch.run(anext(chunks, None))
             except httpx.HTTPError as exc:
+                await forward(stamp.flush())  # what D sent before it broke, as before
                 return await self._decode_failed(send, exc, started=started, tail=tail)
             if isinstance(chunk, _PrefillFailed):
                 assert watch.failure is not None
                 self._d_error = "prefill leg failed"
+                await forward(stamp.flush())
                 if not started:
                     return await self._fail_early(send, watch.failure, Role.PREFILL)
                 return await _send_body(send, _event_break(tail) + watch.failure.sse())
             if chunk is None:
                 break
-            if chunk:
-                if not started:
-                    started = True
-                    await send(self._response_start(resp))
-                self.trace.decode_bytes()
-                tail = (tail + chunk)[-len(SSE_DONE) :]
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                self.trace.sent(chunk, stream=True)
-                if tail == SSE_DONE:
-                    self._d_done = True  # the client has it all and may hang up now
+            await forward(stamp.feed(chunk))
+        await forward(stamp.flush())
         self._d_done = True
         if not started:
             await send(self._response_start(resp))
@@ -519,6 +530,42 @@ class Dispatch:
         self.trace.decode_ended(
             None if self._d_done else (self._d_error or Outcome.CANCELLED.value)
         )
+
+
+_FINISHED = re.compile(rb'"finish_reason":\s*"')
+_USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
+
+
+class TraceStamp:
+    """Puts ``"pushkv_trace_id"`` into a stream's closing events (a choice's finish, the
+    usage event), a field OpenAI clients ignore. It passes whole SSE events on as soon as
+    they are complete (a client cannot use half an event anyway), so it delays nothing."""
+
+    def __init__(self, trace_id: str) -> None:
+        self._field = b'"pushkv_trace_id":"' + trace_id.encode() + b'",'
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._rest + chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._rest = data
+            return b""
+        ready, self._rest = data[:cut], data[cut:]
+        if not (_FINISHED.search(ready) or _USAGE_ONLY.search(ready)):
+            return ready  # the usual event: as it came
+        return b"\n\n".join(self._stamp(e) for e in ready.split(b"\n\n"))
+
+    def _stamp(self, event: bytes) -> bytes:
+        if event.startswith(b"data: {") and (
+            _FINISHED.search(event) or (_USAGE_ONLY.search(event) and b'"usage":{' in event)
+        ):
+            return b"data: {" + self._field + event[7:]
+        return event
+
+    def flush(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return rest
 
 
 def _event_break(tail: bytes) -> bytes:

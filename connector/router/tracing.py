@@ -9,7 +9,9 @@ first token sent to the client (the client-observed TTFT, event ``first_chunk``)
 number of token events and the usage numbers, for the request's TTFT/TPOT attributes.
 
 With tracing off (no tracer) it still makes one valid traceparent for both legs, so P's and
-D's logs keep one id per request, and does nothing else.
+D's logs keep one id per request. Either way it keeps the times the router's metrics and the
+client's ``Server-Timing`` header need, tells ``metrics`` (``RouterMetrics``) when each leg
+ends, and names the request's trace for the client (``traceresponse``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,22 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
 class RequestTrace:
-    def __init__(self, tracer: Any, incoming: str | None, *, mode: str, endpoint: str) -> None:
+    def __init__(
+        self,
+        tracer: Any,
+        incoming: str | None,
+        *,
+        mode: str,
+        endpoint: str,
+        metrics: Any = None,
+    ) -> None:
         self._tracer = tracer
+        self._metrics = metrics
         self._fallback = legs.new_traceparent(incoming)
+        self._legs: dict[str, tuple[str, int]] = {}  # open legs: role -> (url, sent ns)
+        self.first_leg_ns = 0
+        self.prefill_ns: tuple[int, int] | None = None  # P leg sent, answered
+        self.decode_byte_ns: tuple[int, int] | None = None  # D leg sent, first byte
         self._root: Any = None
         self._prefill: Any = None
         self._decode: Any = None
@@ -52,6 +67,42 @@ class RequestTrace:
                 start_time=self._start_ns,
                 attributes={Attr.MODE.value: mode, Attr.ENDPOINT.value: endpoint},
             )
+        # W3C Trace Context Level 2: the trace and the router's span the client can quote.
+        self.traceresponse = (
+            traceparent_of(self._root) if self._root is not None else None
+        ) or self._fallback
+
+    @property
+    def start_ns(self) -> int:
+        return self._start_ns
+
+    @property
+    def trace_id(self) -> str:
+        return self.traceresponse.split("-")[1]
+
+    def _leg_started(self, role: str, url: str) -> None:
+        now = time.time_ns()
+        self.first_leg_ns = self.first_leg_ns or now
+        self._legs[role] = (url, now)
+
+    def _leg_ended(self, role: str, error: str | None) -> int:
+        """The leg's start (0 if it was not open); counts it once."""
+        url, start = self._legs.pop(role, ("", 0))
+        if start and self._metrics is not None:
+            self._metrics.leg_ended(role, url, error)
+        return start
+
+    def server_timing(self, now_ns: int) -> str:
+        """``Server-Timing`` of an answer sent now: the segments the router saw (ms)."""
+        parts = []
+        if self.first_leg_ns:
+            parts.append(("router", self.first_leg_ns - self._start_ns))
+        if self.prefill_ns is not None:
+            parts.append(("prefill", self.prefill_ns[1] - self.prefill_ns[0]))
+        if self.decode_byte_ns is not None:
+            parts.append(("decode", self.decode_byte_ns[1] - self.decode_byte_ns[0]))
+        parts.append(("total", now_ns - self._start_ns))
+        return ", ".join(f"{name};dur={max(ns, 0) / 1e6:.3f}" for name, ns in parts)
 
     @property
     def on(self) -> bool:
@@ -122,6 +173,7 @@ class RequestTrace:
 
     # -- legs: each returns the traceparent its request carries --------------------------
     def prefill_started(self, url: str) -> str:
+        self._leg_started("prefill", url)
         if self._root is None:
             return self._fallback
         self._prefill = self._tracer.start_span(
@@ -133,12 +185,15 @@ class RequestTrace:
         return traceparent_of(self._prefill) or self._fallback
 
     def prefill_ended(self, error: str | None = None) -> None:
+        if (start := self._leg_ended("prefill", error)) and error is None:
+            self.prefill_ns = (start, time.time_ns())
         _end(self._prefill, error)
         self._prefill = None
         if self._closing:
             self._close_root()
 
     def decode_started(self, url: str) -> str:
+        self._leg_started("decode", url)
         if self._root is None:
             return self._fallback
         self._decode_start_ns = time.time_ns()
@@ -152,11 +207,14 @@ class RequestTrace:
         return traceparent_of(self._decode) or self._fallback
 
     def decode_ended(self, error: str | None = None) -> None:
+        self._leg_ended("decode", error)
         _end(self._decode, error)
         self._decode = None
 
     def decode_bytes(self) -> None:
         """D's first body bytes arrived (called for every chunk; acts on the first)."""
+        if self.decode_byte_ns is None and "decode" in self._legs:
+            self.decode_byte_ns = (self._legs["decode"][1], time.time_ns())
         if self._decode is not None and self._decode_start_ns:
             emit(
                 self._tracer,
@@ -169,8 +227,9 @@ class RequestTrace:
 
     # -- what the client got -------------------------------------------------------------
     def sent(self, chunk: bytes, *, stream: bool) -> None:
-        """A piece of D's answer went to the client."""
-        if self._root is None or not chunk:
+        """A piece of D's answer went to the client (its times are kept with tracing off too:
+        the router's metrics need them)."""
+        if not chunk:
             return
         now = time.time_ns()
         seen = self._tail + chunk
@@ -189,7 +248,8 @@ class RequestTrace:
             self.token_events += events
         if not self.first_chunk_ns:
             self.first_chunk_ns = now
-            self._root.add_event(Event.FIRST_CHUNK.value, timestamp=now)
+            if self._root is not None:
+                self._root.add_event(Event.FIRST_CHUNK.value, timestamp=now)
         self.last_chunk_ns = now
 
     def end(self, status: int | None, error: str | None = None) -> None:

@@ -139,6 +139,7 @@ class Receiver:
                         )
                     )
                     self.peers.send(a.to, frame, now_ns, self._on_heartbeat_error(a.to))
+                    self.counters["heartbeats_sent"] += 1
             elif isinstance(a, ev.ReportReceived):
                 self._expected.pop(a.transfer_id, None)
                 rec = self.table.get(a.transfer_id)

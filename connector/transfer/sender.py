@@ -158,6 +158,7 @@ class Sender:
                 now_ns,
             )
         elif isinstance(msg, m.Heartbeat):
+            self.counters["heartbeats"] += 1
             for tid in msg.transfer_ids():
                 self._run(self.table.handle(ev.HeartbeatSeen(tid), now_ns), now_ns)
         elif isinstance(msg, m.IpcOffer):
@@ -190,6 +191,10 @@ class Sender:
     def writing(self) -> bool:
         """A WRITE is in flight or waits for its KV (GPU): only our polling moves it on."""
         return bool(self._writes or self._deferred)
+
+    def writes_in_flight(self) -> int:
+        """Transfers with a WRITE posted or waiting for its KV (metrics)."""
+        return len(self._writes) + len(self._deferred)
 
     def awaiting_network(self) -> bool:
         """Blocks held for a registration (or a peer's answer) that has not come yet."""

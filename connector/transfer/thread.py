@@ -30,6 +30,7 @@ from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
 from connector.transfer.doorbell import Doorbell, IncomingWrites, Rings, write_key
 from connector.transfer.guard import Guard
+from connector.transfer.metrics import RankMetrics
 from connector.transfer.peers import Peers
 from connector.transfer.polling import Backoff
 from connector.transfer.receiver import Received, Receiver
@@ -114,10 +115,13 @@ class TransferThread:
         backoff: Backoff | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         guard: Guard | None = None,
+        metrics: RankMetrics | None = None,
     ) -> None:
         """``backoff``: the polling policy (default: ``PushkvConfig``'s defaults for
         this ``bell``, as ``PushkvConfig.backoff`` builds it). ``guard``: opens incoming
-        notifications (refuses unauthenticated ones when it holds a secret)."""
+        notifications (refuses unauthenticated ones when it holds a secret). ``metrics``:
+        where this thread publishes its census for vLLM's /metrics
+        (``connector.transfer.metrics``)."""
         self.guard = guard if guard is not None else Guard()
         if sender is None and receiver is None:
             raise ValueError("a transfer thread needs a sender, a receiver or both")
@@ -135,6 +139,7 @@ class TransferThread:
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self.counters: Counter[str] = Counter()
+        self.metrics = metrics
         self._incoming = IncomingWrites(self.counters) if bell is not None else None
         if sender is not None and sender.paths is not None:
             sender.paths.bind_waker(self._wake.wake)  # a GPU copy's end wakes us at once
@@ -207,6 +212,10 @@ class TransferThread:
             self.counters.update({f"bell_{k}": v for k, v in self._bell.counters.items()})
             self._bell.close()
             self._bell = None
+
+    @property
+    def bell(self) -> Doorbell | None:
+        return self._bell
 
     @property
     def alive(self) -> bool:
@@ -358,6 +367,9 @@ class TransferThread:
 
     def _publish(self) -> None:
         s, r = self.sender, self.receiver
+        if self.metrics is not None:  # before the results, so their step sees these figures
+            results = bool((s is not None and s.finished) or (r is not None and r.finished))
+            self.metrics.publish(self, self._clock(), force=results)
         if (s is None or not s.finished) and (r is None or not r.finished):
             if s is not None:
                 self._pending_push = s.table.holding_blocks()

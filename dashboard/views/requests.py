@@ -74,6 +74,14 @@ def _initial_trace(run: RunData, options: list[str]) -> str:
     return options[0]
 
 
+# Milliseconds to the microsecond, shares to a tenth of a percent (not raw floats).
+SEGMENT_COLUMNS = {
+    "start_ms": st.column_config.NumberColumn("start ms", format="%.3f"),
+    "ms": st.column_config.NumberColumn("ms", format="%.3f"),
+    "share_%": st.column_config.NumberColumn("share", format="%.1f %%"),
+}
+
+
 def _segment_table(path: CriticalPath) -> pd.DataFrame:
     total = path.total_ns or 1
     return pd.DataFrame(
@@ -113,7 +121,12 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
     chart.show(waterfall_figure(trace, path), key="waterfall")
     if path is not None:
         c1, c2 = st.columns([3, 2])
-        c1.dataframe(_segment_table(path), hide_index=True, key="segments")
+        c1.dataframe(
+            _segment_table(path),
+            hide_index=True,
+            key="segments",
+            column_config=SEGMENT_COLUMNS,
+        )
         extra = [f"model: {path.model} (mode {path.mode})"]
         if path.rendezvous_first:
             extra.append(f"rendezvous: {path.rendezvous_first} arrived first")

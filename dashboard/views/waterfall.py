@@ -178,13 +178,25 @@ def waterfall_figure(trace: Trace, path: CriticalPath | None) -> go.Figure:
     fig.update_layout(
         barmode="overlay",
         height=120 + 26 * len(order),
-        margin={"l": 10, "r": 10, "t": 40, "b": 40},
+        # Room for the whole row label ("prefill tp0 · rendezvous_wait"): a fixed narrow
+        # margin clipped labels to their last letters.
+        margin={"l": label_margin(order), "r": 10, "t": 40, "b": 40},
         xaxis_title="ms since the request reached the router",
-        yaxis={"categoryorder": "array", "categoryarray": order, "autorange": "reversed"},
+        yaxis={
+            "categoryorder": "array",
+            "categoryarray": order,
+            "autorange": "reversed",
+            "automargin": True,
+        },
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
         hoverlabel={"align": "left"},
     )
     return fig
+
+
+def label_margin(labels: list[str], px_per_char: float = 7.5) -> int:
+    """Left margin (px) that fits the longest row label at Plotly's default 12 px font."""
+    return int(20 + px_per_char * max((len(label) for label in labels), default=0))
 
 
 def _seg_label(name: Seg, covers: tuple[Seg, ...]) -> str:

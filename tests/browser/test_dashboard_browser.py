@@ -125,3 +125,34 @@ def test_exports_download_as_chrome_trace_json(
         assert not errors, errors
     finally:
         page.close()
+
+
+def test_span_labels_fit_and_no_deploy_button(dashboard_url: str, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    run_dir, trace_id = next(
+        (d, tid)
+        for d in run_dirs()
+        for tid, t in load_run_folder(d).traces.items()
+        if any(sp.name.endswith("rendezvous_wait") for sp in t.spans)
+    )
+    q = urlencode({"run": str(run_dir), "trace": trace_id})
+    page, errors = _open(browser, f"{dashboard_url}/?{q}", tmp_path, "labels")
+    try:
+        page.locator(".js-plotly-plot .ytick text").first.wait_for(timeout=WAIT_MS)
+        plot = page.locator(".js-plotly-plot .main-svg").first.bounding_box()
+        labels = page.locator(".js-plotly-plot .ytick text")
+        boxes = [labels.nth(i).bounding_box() for i in range(labels.count())]
+        assert plot is not None and boxes
+        clipped = [
+            labels.nth(i).text_content()
+            for i, b in enumerate(boxes)
+            if b is None or b["x"] < plot["x"] - 0.5
+        ]
+        assert not clipped, f"row labels run off the chart's left edge: {clipped}"
+        assert any(
+            "rendezvous_wait" in (labels.nth(i).text_content() or "") for i in range(len(boxes))
+        )
+        assert page.get_by_text("Deploy", exact=True).count() == 0, "Streamlit's Deploy button"
+        page.screenshot(path=str(tmp_path / "labels.png"), full_page=True)
+        assert not errors, errors
+    finally:
+        page.close()

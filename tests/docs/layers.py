@@ -91,6 +91,7 @@ LAYERS: tuple[Layer, ...] = (
             "connector.scheduler_side",
             "connector.worker_side",
             "connector.plugin",
+            "connector.stats",
             "telemetry",
         ),
         ("nixl",),

@@ -383,6 +383,24 @@ class PushProtocol(RuleBasedStateMachine):
         assert all(n <= 1 for n in self.issued.values())
         assert all(n <= 1 for n in self.freed.values())
 
+    @invariant()
+    def census_matches_the_records(self) -> None:
+        """The tables' O(1) census (metrics) equals a scan of their records."""
+        if not hasattr(self, "P"):
+            return
+        for table in (*self.P.values(), *self.D.values()):
+            recs = list(table._records.values())
+            scan = Counter(r.state for r in recs if not r.state.terminal)
+            assert +table.live == scan, (table.live, scan)
+            assert all(n >= 0 for n in table.live.values())
+            assert sum(table.ended.values()) >= sum(1 for r in recs if r.state.terminal)
+        for table in self.P.values():
+            held = [r for r in table._records.values() if r.blocks_held]
+            assert table.holding_blocks() == len(held)
+            blocks, age = table.held(self.now)
+            assert blocks == sum(len(g) for r in held for g in r.block_ids)
+            assert (age > 0) <= bool(held) and age >= 0
+
     def teardown(self) -> None:
         if not hasattr(self, "P"):
             return

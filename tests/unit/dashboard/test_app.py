@@ -202,3 +202,12 @@ def test_non_streamed_request_says_what_stream_back_holds(tmp_path: Path) -> Non
     assert not bool(ok["stream"])
     at = run_app(run=str(tmp_path), trace=ok["trace_id"])
     assert any("Not streamed" in i.value for i in at.info)
+
+
+def test_segment_table_shows_milliseconds_and_shares_with_sensible_precision() -> None:
+    at = run_app(run=str(run_dirs()[0]), view="requests")
+    (segments,) = [d for d in at.dataframe if "share_%" in d.value.columns]
+    columns = json.loads(segments.proto.columns)
+    assert columns["ms"]["type_config"]["format"] == "%.3f"
+    assert columns["start_ms"]["type_config"]["format"] == "%.3f"
+    assert columns["share_%"]["type_config"]["format"] == "%.1f %%"

@@ -78,3 +78,29 @@ def test_trace_export_is_chrome_trace_json() -> None:
         {"ph", "pid"} <= set(e) for e in doc["traceEvents"]
     )
     json.dumps(doc)
+
+
+def test_waterfall_leaves_room_for_whole_span_labels() -> None:
+    t = next(
+        t
+        for d in run_dirs()
+        for t in read_run(d).traces
+        if any(sp.name.endswith("rendezvous_wait") for sp in t.spans)
+    )
+    fig = json.loads(waterfall_figure(t, critical_path(t)).to_json())
+    labels = [y for tr in fig["data"] if tr["type"] == "bar" for y in tr["y"]]
+    longest = max(len(label) for label in labels)
+    assert any("rendezvous_wait" in label for label in labels)
+    assert fig["layout"]["yaxis"]["automargin"] is True
+    assert fig["layout"]["margin"]["l"] >= 7 * longest, "labels would be clipped"
+
+
+def test_no_deploy_button_however_the_dashboard_is_started(tmp_path: Path) -> None:
+    import tomllib
+
+    cmd = command(tmp_path)
+    assert cmd[cmd.index("--client.toolbarMode") + 1] == "minimal"
+    root = Path(__file__).resolve().parents[3]
+    cfg = tomllib.loads((root / ".streamlit" / "config.toml").read_text())
+    assert cfg["client"]["toolbarMode"] == "minimal"
+    assert '"--client.toolbarMode", "minimal"' in (root / "Dockerfile").read_text()

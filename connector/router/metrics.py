@@ -1,0 +1,146 @@
+"""The router's Prometheus metrics, served on its ``/metrics``.
+
+Owns: ``RouterMetrics``, one private registry per router instance (several apps in one
+test process never collide). Requests, legs and the latency histograms are recorded as
+they end (``RequestTrace`` calls ``leg_ended``, the endpoint ``request_ended``); retries,
+degraded attempts, backends' health and outstanding legs are read from the router's own
+state when scraped, so serving pays nothing for them. Names, kinds and labels come from
+``telemetry.schema.METRICS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from connector.router.policy import Health
+from telemetry.schema import METRICS, Metric, Outcome
+
+if TYPE_CHECKING:
+    from connector.router.app import RouterState
+
+_SECONDS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+BUCKETS = {
+    Metric.ROUTER_TTFT: _SECONDS,
+    Metric.ROUTER_E2E: _SECONDS,
+    Metric.ROUTER_OVERHEAD: [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1],
+}
+
+
+def _labels(metric: Metric) -> list[str]:
+    return [label.value for label in METRICS[metric][1]]
+
+
+def _help(metric: Metric) -> str:
+    return METRICS[metric][2]
+
+
+def request_outcome(status: int | None, error: str | None) -> str:
+    """A request's ``outcome`` label: a bounded set, never free text."""
+    if error == Outcome.CANCELLED.value:
+        return error
+    if status is not None and status >= 400:
+        return f"http_{status}"
+    return "error" if error else Outcome.OK.value
+
+
+class _StateCollector(Collector):
+    """What the router's state already counts, read at scrape time."""
+
+    def __init__(self, state: Callable[[], RouterState]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Any]:
+        state = self._state()
+        retries = CounterMetricFamily(
+            Metric.ROUTER_RETRIES.value, _help(Metric.ROUTER_RETRIES), labels=["role"]
+        )
+        for role, n in sorted(state.retries.items()):
+            retries.add_metric([role], n)
+        yield retries
+        degraded = CounterMetricFamily(
+            Metric.ROUTER_DEGRADED.value, _help(Metric.ROUTER_DEGRADED), labels=[]
+        )
+        degraded.add_metric([], state.degraded)
+        yield degraded
+        names = _labels(Metric.ROUTER_BACKEND_HEALTHY)
+        healthy = GaugeMetricFamily(
+            Metric.ROUTER_BACKEND_HEALTHY.value, _help(Metric.ROUTER_BACKEND_HEALTHY), labels=names
+        )
+        outstanding = GaugeMetricFamily(
+            Metric.ROUTER_OUTSTANDING.value, _help(Metric.ROUTER_OUTSTANDING), labels=names
+        )
+        for b in state.backends.all:
+            healthy.add_metric([b.role.value, b.url], float(b.load.health is Health.HEALTHY))
+            outstanding.add_metric([b.role.value, b.url], b.load.outstanding)
+        yield healthy
+        yield outstanding
+
+
+class RouterMetrics:
+    def __init__(self, state: RouterState) -> None:
+        self.mode = state.config.mode.value
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self._requests = Counter(
+            Metric.ROUTER_REQUESTS.value,
+            _help(Metric.ROUTER_REQUESTS),
+            _labels(Metric.ROUTER_REQUESTS),
+            registry=r,
+        )
+        self._legs = Counter(
+            Metric.ROUTER_LEGS.value,
+            _help(Metric.ROUTER_LEGS),
+            _labels(Metric.ROUTER_LEGS),
+            registry=r,
+        )
+        self._hist = {
+            m: Histogram(m.value, _help(m), _labels(m), buckets=BUCKETS[m], registry=r)
+            for m in BUCKETS
+        }
+        r.register(_StateCollector(lambda: state))
+
+    def leg_ended(self, role: str, url: str, error: str | None) -> None:
+        outcome = (
+            Outcome.OK.value
+            if error is None
+            else (error if error == Outcome.CANCELLED.value else "error")
+        )
+        self._legs.labels(role, url, outcome).inc()
+
+    def request_ended(
+        self,
+        status: int | None,
+        error: str | None,
+        *,
+        start_ns: int,
+        first_leg_ns: int,
+        first_chunk_ns: int,
+        end_ns: int,
+    ) -> None:
+        outcome = request_outcome(status, error)
+        self._requests.labels(self.mode, outcome).inc()
+        if first_leg_ns:
+            self._observe(Metric.ROUTER_OVERHEAD, first_leg_ns - start_ns)
+        if outcome != Outcome.OK.value:
+            return
+        if first_chunk_ns:
+            self._observe(Metric.ROUTER_TTFT, first_chunk_ns - start_ns)
+        self._observe(Metric.ROUTER_E2E, end_ns - start_ns)
+
+    def _observe(self, metric: Metric, ns: int) -> None:
+        self._hist[metric].labels(self.mode).observe(max(ns, 0) / 1e9)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
