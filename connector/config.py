@@ -26,11 +26,16 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_s: Seconds = 30.0
     # P: longest a registration may wait for the prefill it names.
     max_registration_ttl_s: Seconds = 600.0
-    # P: a WRITE running longer than this is cancelled and reported failed.
+    # P: a WRITE running longer than this is cancelled and reported failed. D sends its own
+    # value in each registration and P applies the shorter, so D knows when a WRITE into
+    # its blocks has ended at the latest.
     write_timeout_s: Seconds = 30.0
-    # D: from registration to the last completion; then D cancels and fails the load.
+    # D: from registration to the last completion; then D cancels and fails the load. P
+    # posts no WRITE after it (each registration says how much of it is left).
     receive_timeout_s: Seconds = 120.0
-    # D: after a cancel, how long P has to answer before D stops waiting.
+    # D: a P rank that never answers a cancel is given up this long after the latest moment
+    # its WRITE could end (receive deadline + write_timeout_s): the margin for a message's
+    # one-way delay and an aborted WRITE's wind-down. An answer ends the wait at once.
     grace_s: Seconds = 10.0
     heartbeat_s: Seconds = 5.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
@@ -96,6 +101,7 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return ReceiverPolicy(
             timeout_ns=_ns(self.receive_timeout_s),
             grace_ns=_ns(self.grace_s),
+            write_timeout_ns=_ns(self.write_timeout_s),
             heartbeat_interval_ns=_ns(self.heartbeat_s),
             tombstone_ns=_ns(self.tombstone_s),
         )

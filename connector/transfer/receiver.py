@@ -20,7 +20,7 @@ from connector.core.errors import PeerDisconnected, TransportError
 from connector.core.layout import KVLayout
 from connector.core.receiver_table import ReceiverTable
 from connector.core.state import ReceiverPolicy
-from connector.transfer.peers import Peers
+from connector.transfer.peers import NotSent, Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
 
@@ -155,21 +155,33 @@ class Receiver:
 
     def _send_register(self, a: ev.SendRegister, now_ns: int) -> None:
         exp = self._expected[a.transfer_id]
-        frame = m.encode(
-            m.Register(
-                transfer_id=a.transfer_id,
-                d_engine_id=self.me.engine_id,
-                d_rank=self.me.rank,
-                d_tp_size=self.me.tp_size,
-                d_addr=self.me.addr,
-                layout=self.layout,
-                block_ids=exp.block_ids,
-                first_token=exp.first_token,
-                num_tokens=exp.num_tokens,
-                ttl_ms=max(1, self.policy.timeout_ns // 1_000_000),
-                trace=exp.trace,
+
+        def frame() -> bytes | None:
+            # Built when sent (a dial may come first): ttl_ms is what is left until our
+            # receive deadline, so P posts no WRITE after it (docs/protocol.md, Deadlines).
+            rec = self.table.get(a.transfer_id)
+            left_ms = (rec.expires_ns - self._clock()) // 1_000_000 if rec is not None else 0
+            if left_ms < 1:
+                return None
+            return m.encode(
+                m.Register(
+                    transfer_id=a.transfer_id,
+                    d_engine_id=self.me.engine_id,
+                    d_rank=self.me.rank,
+                    d_tp_size=self.me.tp_size,
+                    d_addr=self.me.addr,
+                    layout=self.layout,
+                    block_ids=exp.block_ids,
+                    first_token=exp.first_token,
+                    num_tokens=exp.num_tokens,
+                    ttl_ms=min(left_ms, m.MAX_TTL_MS),
+                    trace=exp.trace,
+                    write_timeout_ms=min(
+                        max(1, self.policy.write_timeout_ns // 1_000_000), m.MAX_TTL_MS
+                    ),
+                )
             )
-        )
+
         self.peers.send(
             a.source.addr,
             frame,
@@ -184,11 +196,12 @@ class Receiver:
             # will not write for this transfer.
             self.counters["send_failed"] += 1
             logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
-            reason = (
-                m.FailReason.PEER_LOST
-                if isinstance(exc, PeerDisconnected)
-                else m.FailReason.HANDSHAKE
-            )
+            if isinstance(exc, PeerDisconnected):
+                reason = m.FailReason.PEER_LOST
+            elif isinstance(exc, NotSent):
+                reason = m.FailReason.DEADLINE
+            else:
+                reason = m.FailReason.HANDSHAKE
             now = self._clock()
             self._run(self.table.handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
 

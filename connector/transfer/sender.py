@@ -346,6 +346,12 @@ class Sender:
             logger.warning("Releasing a WRITE to %s failed: %s", h.peer, exc)
 
     def _abort(self, tid: str, now_ns: int) -> None:
+        if self._deferred.pop(tid, None) is not None:
+            # Never posted (its KV was not computed yet): it must not start past its deadline.
+            self.counters["write_write_timeout"] += 1
+            event = ev.WriteFailed(tid, m.FailReason.WRITE_TIMEOUT, "KV not ready in time")
+            self._run(self.table.handle(event, now_ns), now_ns)
+            return
         w = self._writes.get(tid)
         if w is None:
             return
