@@ -17,6 +17,22 @@ from connector.transfer.polling import Backoff
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
 
 
+class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Test-only fault injection (``_faults``; docs/operations.md#fault-injection-test-only).
+    Each fault hits the requests whose prompt has exactly that many tokens; 0 is off."""
+
+    fail_write_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # P: the WRITE's post fails
+    drop_completion_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # D: first `done` lost
+    raise_hook: str = ""  # a scheduler hook of PushConnector that raises...
+    raise_hook_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # ...for these requests
+
+    def raises(self, hook: str, request: Any) -> bool:
+        return (
+            hook == self.raise_hook
+            and getattr(request, "num_prompt_tokens", -1) == self.raise_hook_tokens
+        )
+
+
 class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Where this instance's ranks listen for metadata (NIXL side channel). Rank r uses
     # side_channel_port + r; 0 picks free ports (published to the router by the probe).
@@ -73,6 +89,9 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a result is in, so it never delays one. 0 turns it off.
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = 120.0
+    # Test-only: inject faults on a real engine (connector/transfer/faults.py). Absent in
+    # production, where nothing is wrapped and nothing costs.
+    faults: Faults | None = msgspec.field(default=None, name="_faults")
 
     def idle_poll_s(self, doorbell: bool) -> float:
         """The transfer thread's idle poll: long with a doorbell, short without."""

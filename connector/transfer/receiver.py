@@ -23,6 +23,7 @@ from connector.core.state import ReceiverPolicy
 from connector.transfer.peers import NotSent, Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,11 @@ class Receiver:
             elif isinstance(a, ev.ReportReceived):
                 self._expected.pop(a.transfer_id, None)
                 rec = self.table.get(a.transfer_id)
+                if not a.ok:
+                    reason = a.reason.value if a.reason else "unknown"
+                    self.counters[f"{Count.RECV_FAILED.value}{reason}"] += 1
                 if rec is not None and rec.abandoned:
+                    self.counters[Count.RECV_ABANDONED.value] += 1
                     logger.error("Transfer %s abandoned: a P rank never answered", a.transfer_id)
                 elif not a.ok:
                     logger.warning(
@@ -194,7 +199,7 @@ class Receiver:
         def fail(exc: TransportError) -> None:
             # Undelivered: that rank never saw this message, or is gone. Either way it
             # will not write for this transfer.
-            self.counters["send_failed"] += 1
+            self.counters[Count.SEND_FAILED.value] += 1
             logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
             if isinstance(exc, PeerDisconnected):
                 reason = m.FailReason.PEER_LOST
@@ -208,7 +213,7 @@ class Receiver:
         return fail
 
     def _count_failure(self, exc: TransportError) -> None:
-        self.counters["send_failed"] += 1
+        self.counters[Count.SEND_FAILED.value] += 1
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _on_heartbeat_error(self, addr: m.PeerAddr) -> Callable[[TransportError], None]:
