@@ -244,6 +244,18 @@ class ChildProcess:
             self._log_file.close()
             self._log_file = None
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would (fault tests); the
+        service can be started again afterwards."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
 
 @dataclass
 class VllmServer(ChildProcess):
