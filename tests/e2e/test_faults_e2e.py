@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.tools.pdstack import PdStack, metric_sum
-from connector.tools.stack import VllmServer
+from connector.tools.pdstack import PdStack, RouterProcess, metric_sum
+from connector.tools.stack import VllmServer, free_port
 from telemetry.otlp_json import SpanRecord, StatusCode
 from telemetry.schema import Attr, Outcome, Span
 from telemetry.traces import read_run
@@ -115,12 +115,17 @@ def reference(fx: Fx, prompt: list[int]) -> dict[str, Any]:
     return post_ok(fx.decode, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex))
 
 
+def traceparent(trace_id: str) -> dict[str, str]:
+    return {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+
+
 def traced_post(fx: Fx, prompt: list[int]) -> tuple[dict[str, Any], str, float]:
     """Through the router with our own trace id: (answer, trace id, seconds)."""
     trace_id = uuid.uuid4().hex
-    headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
     t0 = time.monotonic()
-    resp = fx.router.post("/v1/completions", json=greedy_body(prompt), headers=headers)
+    resp = fx.router.post(
+        "/v1/completions", json=greedy_body(prompt), headers=traceparent(trace_id)
+    )
     took = time.monotonic() - t0
     assert resp.status_code == 200, f"router: {resp.status_code} {resp.text}"
     return resp.json(), trace_id, took
@@ -235,23 +240,32 @@ def test_lease_expires_when_no_d_registers(fx: Fx) -> None:
 
 
 def test_client_disconnect_mid_prefill_and_mid_decode_frees_everything(fx: Fx) -> None:
+    decode_trace, prefill_trace = uuid.uuid4().hex, uuid.uuid4().hex
     # Mid-decode: the stream's first chunk, then hang up.
-    body = {**greedy_body(random_prompt(200, seed=7)), "max_tokens": 400, "stream": True}
-    with fx.router.stream("POST", "/v1/completions", json=body) as resp:
+    body = {**greedy_body(random_prompt(200, seed=7)), "max_tokens": 1800, "stream": True}
+    with fx.router.stream(
+        "POST", "/v1/completions", json=body, headers=traceparent(decode_trace)
+    ) as resp:
         assert resp.status_code == 200
         first = next(line for line in resp.iter_lines() if line.startswith("data: "))
         assert "error" not in first
     # Mid-prefill: a long prompt, and gone before any byte can come.
     long_body = {**greedy_body(random_prompt(1800, seed=8)), "max_tokens": 200}
-    with (
-        _client(fx.stack.url) as impatient,
-        pytest.raises(httpx.TimeoutException),
-    ):
-        impatient.post("/v1/completions", json=long_body, timeout=0.05)
+    with _client(fx.stack.url) as impatient, pytest.raises(httpx.TimeoutException):
+        impatient.post(
+            "/v1/completions", json=long_body, timeout=0.05, headers=traceparent(prefill_trace)
+        )
     t0 = time.monotonic()
     usage = wait_idle(fx.prefill, fx.decode)
     assert usage == [0.0, 0.0], f"KV still held {IDLE_BOUND_S:.0f} s after both left: {usage}"
     print(f"\n[faults] both idle {time.monotonic() - t0:.1f} s after the clients left")
+    for trace_id in (decode_trace, prefill_trace):  # the router saw each client leave
+        wait_for_span(
+            fx,
+            trace_id,
+            Span.REQUEST,
+            lambda s: s.attributes.get(Attr.OUTCOME.value) == Outcome.CANCELLED.value,
+        )
     prompt = random_prompt(60, seed=9)
     got, _, _ = traced_post(fx, prompt)
     assert_matches_reference(got, reference(fx, prompt), "after the disconnects")
@@ -340,3 +354,58 @@ def test_kill_p_under_load_degrades_then_recovers_with_no_500(fx: Fx) -> None:
     assert degraded_count(fx) == after, "the restarted P was not used again"
     wait_for_span(fx, trace_id, Span.WRITE, lambda s: s.status is not StatusCode.ERROR)
     assert wait_idle(fx.prefill, fx.decode) == [0.0, 0.0]
+
+
+def test_router_retries_on_the_other_d_when_one_is_killed(fx: Fx, tiny_model: Path) -> None:
+    d1 = fx.stack.decode
+    assert d1.kv_transfer_config is not None
+    d2 = VllmServer(
+        tiny_model,
+        free_port(),
+        kv_transfer_config={**d1.kv_transfer_config, "engine_id": "decode2"},
+        env=d1.env,
+        log_path=fx.run_dir / "decode2.log",
+        cpu_affinity=d1.cpu_affinity,
+    )
+    # A health interval longer than the test: only a failed leg tells the router D2 is gone.
+    router = RouterProcess(
+        fx.stack.prefill.url,
+        d1.url,
+        free_port(),
+        extra_args=[
+            "--health-timeout",
+            "5",
+            "--health-interval",
+            "600",
+            "--decode",
+            d1.url,
+            d2.url,
+        ],
+        log_path=fx.run_dir / "router-two-d.log",
+        env={"OTEL_SDK_DISABLED": "true"},
+    )
+    try:
+        d2.start()
+        d2.wait_healthy(START_TIMEOUT_S)
+        router.start()
+        router.wait_healthy(START_TIMEOUT_S)
+        with _client(router.url) as c:
+            for i in range(4):  # both Ds serve (fewest outstanding, then least used)
+                post_ok(c, "/v1/completions", greedy_body(random_prompt(50, seed=40 + i)))
+            stats = c.get("/router/stats").json()
+            assert all(d["dispatched"] > 0 for d in stats["decode"]), stats["decode"]
+            d2.kill()
+            prompts = [random_prompt(90, seed=50 + i) for i in range(8)]
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                got = list(
+                    pool.map(lambda pr: c.post("/v1/completions", json=greedy_body(pr)), prompts)
+                )
+            for prompt, resp in zip(prompts, got, strict=True):
+                assert resp.status_code == 200, f"{resp.status_code} {resp.text}"
+                assert_matches_reference(resp.json(), reference(fx, prompt), "retried request")
+            retried = c.get("/router/stats").json()["requests"]["retried"]
+        print(f"\n[faults] 8 requests after D2 died, all 200; retried: {retried}")
+        assert retried["total"] >= 1, "no request met the dead D"
+    finally:
+        router.stop()
+        d2.stop()
