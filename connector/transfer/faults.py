@@ -72,21 +72,12 @@ class FaultyTransport:
         return out
 
     def write(
-        self,
-        peer: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        notif: bytes,
-        *,
-        src_mem: str = "DRAM",
-        dst_mem: str = "DRAM",
+        self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes, **mem: str
     ) -> WriteHandle:
-        done = _decode(notif)
+        done = _decode(notif)  # the WRITE's own `done` names its transfer
         if done is not None and done.transfer_id in self._fail_write:
             self._fail_write.discard(done.transfer_id)
             self._injected("fail_write", done.transfer_id)
             raise TransportError("injected WRITE failure (test-only _faults)")
-        handle: WriteHandle = self._inner.write(
-            peer, src, dst, notif, src_mem=src_mem, dst_mem=dst_mem
-        )
+        handle: WriteHandle = self._inner.write(peer, src, dst, notif, **mem)
         return handle

@@ -17,7 +17,7 @@ from connector.core.messages import FailReason, Register
 from connector.core.receiver_table import ReceiverTable
 from connector.core.sender_table import SenderTable
 from connector.core.state import ReceiverPolicy, RecvState, SenderPolicy, SendState
-from tests.unit.core.factories import LAYOUT, d_addr, p_addr
+from tests.unit.core.factories import d_addr, p_addr, register
 
 MS = 1_000_000
 RECV = ReceiverPolicy(
@@ -28,19 +28,7 @@ SOURCE = ev.Source(0, p_addr(0))
 
 
 def _register(d_rank: int, ttl_ms: int, write_ms: int | None, d_tp: int = 1) -> Register:
-    return Register(
-        transfer_id="t0",
-        d_engine_id="decode",
-        d_rank=d_rank,
-        d_tp_size=d_tp,
-        d_addr=d_addr(d_rank),
-        layout=LAYOUT,
-        block_ids=((1, 2),),
-        first_token=0,
-        num_tokens=32,
-        ttl_ms=ttl_ms,
-        write_timeout_ms=write_ms,
-    )
+    return register("t0", d_rank, d_tp, ttl_ms, blocks=(1, 2), write_timeout_ms=write_ms)
 
 
 def _sender(d_tp: int = 1) -> SenderTable:
