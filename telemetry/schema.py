@@ -26,6 +26,8 @@ rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
         write [P]                        WRITE posted -> DONE (bytes, descriptors, GB/s, peer)
         first_token [D]                  KV complete -> first token out of D's engine
                                          (event scheduled: D scheduled its first step)
+        hook_failed [P or D]             only when a connector hook of ours raised for the
+                                         request (zero length; reason hook_error)
 
 P's transfer spans hang under the decode leg: the registration carries D's context to P,
 and the transfer serves D's leg (P's HTTP answer may be back before its WRITE ends). With

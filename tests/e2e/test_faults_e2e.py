@@ -97,7 +97,8 @@ def fx(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Fx]:
             _client(stack.prefill.url) as p,
             _client(stack.decode.url) as d,
         ):
-            post_ok(r, "/v1/completions", greedy_body(random_prompt(20, seed=1)))  # warm-up
+            for c in (p, d, r):  # a fresh server's first requests take seconds
+                post_ok(c, "/v1/completions", greedy_body(random_prompt(20, seed=1)))
             yield Fx(stack, run_dir, r, p, d)
     finally:
         stack.stop()
@@ -175,9 +176,13 @@ def wait_router(fx: Fx, status: str, timeout_s: float = START_TIMEOUT_S) -> None
 
 
 def restart(server: VllmServer, log_name: str) -> None:
+    """Start a killed server again, warmed up: a fresh server's first requests take seconds
+    (conftest's ``_warm_up``), longer than D's 1 s receive deadline here."""
     server.log_path = server.log.parent / log_name  # keep the crashed run's log
     server.start()
     server.wait_healthy(START_TIMEOUT_S)
+    with _client(server.url) as c:
+        post_ok(c, "/v1/completions", greedy_body(random_prompt(20, seed=2)))
 
 
 def degraded_count(fx: Fx) -> int:
