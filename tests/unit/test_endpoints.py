@@ -168,6 +168,18 @@ def test_a_write_whose_kv_is_late_past_its_deadline_is_never_posted() -> None:
     assert pair.sender.finished == ["preq"]
 
 
+def test_a_registration_due_past_ds_deadline_is_not_sent_and_fails_the_load() -> None:
+    # The dial to P outlasts D's receive deadline: a registration sent now would let P
+    # write after D's bound, so it is not sent, and the load fails at once.
+    pair = Pair(recv_policy=ReceiverPolicy(timeout_ns=5 * MS, write_timeout_ns=2 * MS))
+    pair.expect("t", 16, (4,))
+    pair.pump(rounds=5, dt_ns=20 * MS)
+    (got,) = pair.receiver.finished
+    assert not got.ok and got.reason is m.FailReason.DEADLINE
+    assert pair.sender.table.get("t") is None, "P must never hear of it"
+    assert pair.receiver.counters["send_failed"] == 1
+
+
 def test_a_message_built_too_late_is_not_sent() -> None:
     pair = Pair()
     failed: list = []
