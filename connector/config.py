@@ -20,6 +20,22 @@ from connector.transfer.polling import Backoff
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
 
 
+class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Test-only fault injection (``_faults``; docs/operations.md#fault-injection-test-only).
+    Each fault hits the requests whose prompt has exactly that many tokens; 0 is off."""
+
+    fail_write_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # P: the WRITE's post fails
+    drop_completion_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # D: first `done` lost
+    raise_hook: str = ""  # a scheduler hook of PushConnector that raises...
+    raise_hook_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # ...for these requests
+
+    def raises(self, hook: str, request: Any) -> bool:
+        return (
+            hook == self.raise_hook
+            and getattr(request, "num_prompt_tokens", -1) == self.raise_hook_tokens
+        )
+
+
 class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Where this instance's ranks listen for metadata (NIXL side channel). Rank r uses
     # side_channel_port + r; 0 picks free ports (published to the router by the probe).
@@ -29,11 +45,16 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lease_s: Seconds = 30.0
     # P: longest a registration may wait for the prefill it names.
     max_registration_ttl_s: Seconds = 600.0
-    # P: a WRITE running longer than this is cancelled and reported failed.
+    # P: a WRITE running longer than this is cancelled and reported failed. D sends its own
+    # value in each registration and P applies the shorter, so D knows when a WRITE into
+    # its blocks has ended at the latest.
     write_timeout_s: Seconds = 30.0
-    # D: from registration to the last completion; then D cancels and fails the load.
+    # D: from registration to the last completion; then D cancels and fails the load. P
+    # posts no WRITE after it (each registration says how much of it is left).
     receive_timeout_s: Seconds = 120.0
-    # D: after a cancel, how long P has to answer before D stops waiting.
+    # D: a P rank that never answers a cancel is given up this long after the latest moment
+    # its WRITE could end (receive deadline + write_timeout_s): the margin for a message's
+    # one-way delay and an aborted WRITE's wind-down. An answer ends the wait at once.
     grace_s: Seconds = 10.0
     heartbeat_s: Seconds = 5.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
@@ -100,6 +121,10 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def authenticated(self) -> bool:
         return bool(self.auth_secret_file or self.auth_secret_env or self.auth_secret)
 
+    # Test-only: inject faults on a real engine (connector/transfer/faults.py). Absent in
+    # production, where nothing is wrapped and nothing costs.
+    faults: Faults | None = msgspec.field(default=None, name="_faults")
+
     def idle_poll_s(self, doorbell: bool) -> float:
         """The transfer thread's idle poll: long with a doorbell, short without."""
         return self.poll_idle_bell_s if doorbell else self.poll_idle_s
@@ -127,6 +152,7 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return ReceiverPolicy(
             timeout_ns=_ns(self.receive_timeout_s),
             grace_ns=_ns(self.grace_s),
+            write_timeout_ns=_ns(self.write_timeout_s),
             heartbeat_interval_ns=_ns(self.heartbeat_s),
             tombstone_ns=_ns(self.tombstone_s),
         )

@@ -60,11 +60,20 @@ class StepPlan:
     # P: transfers whose request vLLM preempted after the push began; its blocks are free
     # again, so this step's forward must wait until no WRITE reads them.
     reclaimed: list[str] = field(default_factory=list)
+    # D: requests whose load failed here, before anything was registered (a hook of ours
+    # raised): every worker reports them received and failed at once.
+    failed_loads: list[str] = field(default_factory=list)
     # The step schedules no tokens (vLLM steps anyway while transfers are in progress).
     idle: bool = False
 
     def empty(self) -> bool:
-        return not (self.prefills or self.registrations or self.aborts or self.reclaimed)
+        return not (
+            self.prefills
+            or self.registrations
+            or self.aborts
+            or self.reclaimed
+            or self.failed_loads
+        )
 
 
 @dataclass(frozen=True)

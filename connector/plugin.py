@@ -31,6 +31,7 @@ from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +72,32 @@ class PushkvMetadata(KVConnectorMetadata):
 
 
 def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A scheduler hook's boundary: our bug is logged, and the request it concerns is let
+    go of definitely (``SchedulerSide.hook_failed``: D told, the load reported failed or
+    computed here, P's blocks freed), traced and counted; ``default`` answers vLLM."""
+
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
-        def inner(self: Any, *args: Any, **kwargs: Any) -> T:
+        def inner(self: PushConnector, *args: Any, **kwargs: Any) -> T:
             try:
+                if self._faults is not None and args and self._faults.raises(fn.__name__, args[0]):
+                    raise RuntimeError(f"injected failure in {fn.__name__} (test-only _faults)")
                 return fn(self, *args, **kwargs)
             except Exception:  # the boundary: never let our bug kill the engine
-                rid = getattr(args[0], "request_id", "?") if args else "?"
+                request = args[0] if args and hasattr(args[0], "request_id") else None
+                rid = request.request_id if request is not None else "?"
                 logger.exception("pushkv %s failed (request %s)", fn.__name__, rid)
-                return default(*args)
+                if self._sched is None:
+                    pass
+                elif request is None:
+                    self._sched.counters[Count.HOOK_ERRORS.value] += 1
+                else:
+                    loading = kwargs.get("num_external_tokens", args[2] if len(args) > 2 else 0)
+                    try:
+                        self._sched.hook_failed(fn.__name__, request, loading)
+                    except Exception:
+                        logger.exception("pushkv could not let go of request %s", rid)
+                return default(self, *args)
 
         return inner
 
@@ -98,6 +116,7 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         if not ktc.engine_id:
             raise ValueError("pushkv needs a stable engine_id in --kv-transfer-config")
         self._cfg = parse_config(ktc.kv_connector_extra_config)
+        self._faults = self._cfg.faults  # test-only; None in production
         self._sched: SchedulerSide | None = None
         self._recompute = ktc.kv_load_failure_policy == "recompute"
         self._worker: Any = None
@@ -168,6 +187,8 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             return PushkvMetadata(self._sched.build_connector_meta(scheduler_output))
         except Exception:
+            # No request to let go of: the transfers' own deadlines end what this step staged.
+            self._sched.counters[Count.HOOK_ERRORS.value] += 1
             logger.exception("pushkv build_connector_meta failed")
             return PushkvMetadata(StepPlan())
 
@@ -181,7 +202,7 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    @_guard(lambda *a: (False, None))
+    @_guard(lambda self, request, *a: (self._sched.keeps_blocks(request), None))
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -266,6 +287,8 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         from telemetry.setup import flush_process
 
         flush_process()
+        if self._sched is not None and self._sched.counters:
+            logger.info("pushkv scheduler counters: %s", dict(self._sched.counters))
         if self._worker is not None:
             self._worker.shutdown()
         flush_process()

@@ -43,7 +43,13 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
-from connector.transfer.spans import emit_first_token, emit_leg_rejected, engine_tracer
+from connector.transfer.spans import (
+    emit_first_token,
+    emit_hook_failed,
+    emit_leg_rejected,
+    engine_tracer,
+)
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,9 @@ class SchedulerSide:
         self._tracer = engine_tracer(engine_id, producer=False) if is_consumer else None
         # Requests computed locally, by why (metrics: connector/plugin.py drains it).
         self.recomputed: Counter[str] = Counter()
+        self._fault_tracer = self._tracer or engine_tracer(engine_id, producer=is_producer)
+        # Faults seen here, under telemetry.schema's Count names.
+        self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ set-up
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -298,6 +307,81 @@ class SchedulerSide:
                 rec.kv_ns = time.time_ns()
                 self._first[rid] = rec
             self._enter(rid, rec, move)
+
+    # ------------------------------------------------------------------ our own failure
+    def hook_failed(self, hook: str, request: Any, num_external_tokens: int = 0) -> None:
+        """A hook of ours raised for ``request`` (plugin.py's guard): let go of the request
+        definitely, so nothing waits on it. P: D is told now and a push that may read the
+        blocks is reclaimed. D: if vLLM now waits for a load (``update_state_after_alloc``
+        with tokens to load), the load is reported failed, so vLLM applies
+        kv_load_failure_policy; otherwise P frees its blocks and D computes the prompt."""
+        rid = request.request_id
+        self.counters[Count.HOOK_ERRORS.value] += 1
+        rec = self._reqs.get(rid)
+        if rec is None and hook == "on_new_request":
+            rec = self._adopt(request)
+        if rec is None:
+            return  # released already, or no pushkv leg we can read: nothing waits on us
+        waiting = hook == "update_state_after_alloc" and num_external_tokens > 0
+        event: lc.ReqEvent = lc.LoadHookFailed(rid) if waiting else lc.HookFailed(rid)
+        leg, pleg = rec.decode, rec.prefill
+        if waiting and leg is not None and rec.state is ReqState.AWAITING_ALLOC:
+            # Staged in this step but not sent yet: it never will be, so no WRITE can come.
+            self._step.registrations = [
+                r for r in self._step.registrations if r.transfer_id != leg.transfer_id
+            ]
+        move = self._next(rid, rec, event)
+        tid = leg.transfer_id if leg is not None else pleg.transfer_id if pleg else None
+        if move.effect is Effect.STAGE_PREFILL_ABORT and pleg is not None:
+            self._stage_abort(StagedAbort(pleg.transfer_id, rid, "prefill_aborted", None))
+        elif move.effect is Effect.RECLAIM and pleg is not None:
+            self._step.reclaimed.append(pleg.transfer_id)
+        elif move.effect is Effect.STAGE_NOT_NEEDED and leg is not None:
+            self._stage_abort(StagedAbort(leg.transfer_id, rid, "not_needed", leg))
+            rec.error = f"pushkv: {hook} failed; the prompt was computed here"
+        elif move.effect is Effect.STAGE_ABORT and leg is not None:
+            self._stage_abort(StagedAbort(leg.transfer_id, rid, "aborted", leg))
+        elif move.effect is Effect.STAGE_LOAD_FAILED and leg is not None:
+            self._stage_abort(StagedAbort(leg.transfer_id, rid, "not_needed", leg))
+            self._step.failed_loads.append(rid)
+        self.counters[f"{Count.HOOK_EFFECT.value}{move.effect.value}"] += 1
+        self._enter(rid, rec, move)
+        trace = leg.trace() if leg is not None else pleg.trace() if pleg else None
+        emit_hook_failed(
+            self._fault_tracer,
+            trace,
+            hook=hook,
+            transfer_id=tid,
+            request_id=rid,
+            engine_id=self.engine_id,
+            at_ns=time.time_ns(),
+        )
+
+    def _stage_abort(self, abort: StagedAbort) -> None:
+        """Stage ``abort`` unless the hook that raised had staged it already."""
+        if not any(a.transfer_id == abort.transfer_id for a in self._step.aborts):
+            self._step.aborts.append(abort)
+
+    def keeps_blocks(self, request: Any) -> bool:
+        """request_finished's answer when it raised: keep the blocks exactly while a push
+        handed over may still read them (it reports, and frees them, later)."""
+        rec = self._reqs.get(request.request_id)
+        return rec is not None and rec.state is ReqState.HANDED_OVER
+
+    def _adopt(self, request: Any) -> _Req | None:
+        """A record for a request whose ``on_new_request`` raised, if its leg parses."""
+        params = request.kv_transfer_params
+        try:
+            if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
+                rec = _Req(request, lc.start(lc.PrefillLegAdded(request.request_id)), prefill=leg)
+            elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
+                rec = _Req(request, lc.start(lc.DecodeLegAdded(request.request_id)), decode=dleg)
+            else:
+                return None
+        except KvParamsError:
+            return None
+        self._reqs[request.request_id] = rec
+        return rec
 
     # ------------------------------------------------------------------ the lifecycle table
     def _next(self, rid: str, rec: _Req, event: lc.ReqEvent) -> lc.Transition:

@@ -68,6 +68,7 @@ class WorkerSide:
         self._handshake: Handshake | None = None
         self._plan: StepPlan | None = None
         self._metrics = RankMetrics(tp_rank)
+        self._failed_loads: set[str] = set()  # reported failed with the next results
 
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -97,6 +98,10 @@ class WorkerSide:
             secret=secret,
             auth_window_s=self.cfg.auth_window_s,
         )
+        if self.cfg.faults is not None:  # test-only fault injection
+            from connector.transfer.faults import FaultyTransport
+
+            self._transport = FaultyTransport(self._transport, self.cfg.faults)
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
         bell = (
             Doorbell.open(host, self._transport.listen_address[1], guard)
@@ -215,6 +220,7 @@ class WorkerSide:
     def bind(self, plan: StepPlan) -> None:
         """Before the forward: registrations and aborts go out at once."""
         self._plan = plan
+        self._failed_loads.update(plan.failed_loads)
         thread = self.thread
         if thread is None:
             return
@@ -264,8 +270,9 @@ class WorkerSide:
         self._plan = None
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        failed_now, self._failed_loads = self._failed_loads, set()
         if self.thread is None:
-            return set(), set(), set()
+            return set(), failed_now, set(failed_now)
         plan, wait_s = self._plan, self.cfg.idle_step_wait_s
         if plan is not None and plan.idle and wait_s > 0 and self.thread.transfers_pending:
             # Nothing to compute this step: wait (briefly) for the transfer instead of
@@ -277,7 +284,11 @@ class WorkerSide:
             ] += 1
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()
-        return sent, {r.request_id for r in received}, {r.request_id for r in received if not r.ok}
+        return (
+            sent,
+            {r.request_id for r in received} | failed_now,
+            {r.request_id for r in received if not r.ok} | failed_now,
+        )
 
     def stats(self) -> dict[str, Any] | None:
         """This rank's metrics since the last call (``connector.transfer.metrics``)."""
@@ -286,6 +297,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.thread is not None:
             self.thread.stop()  # first: it adds its doorbell's counters
+            self.thread.counters.update(getattr(self._transport, "counters", {}))
             logger.info(
                 "pushkv worker rank %d counters: %s", self.tp_rank, dict(self.thread.counters)
             )

@@ -27,6 +27,8 @@ rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
         write [P]                        WRITE posted -> DONE (bytes, descriptors, GB/s, peer)
         first_token [D]                  KV complete -> first token out of D's engine
                                          (event scheduled: D scheduled its first step)
+        hook_failed [P or D]             only when a connector hook of ours raised for the
+                                         request (zero length; reason hook_error)
 
 P's transfer spans hang under the decode leg: the registration carries D's context to P,
 and the transfer serves D's leg (P's HTTP answer may be back before its WRITE ends). With
@@ -65,6 +67,9 @@ class Span(str, Enum):
     RENDEZVOUS_WAIT = "pushkv.rendezvous_wait"  # first of registration/prefill -> second
     PREPARE_DESCRIPTORS = "pushkv.prepare_descriptors"
     WRITE = "pushkv.write"  # WRITE posted -> DONE
+    # P or D: a hook of ours raised for the request (zero length; error, reason hook_error;
+    # attribute pushkv.hook names it); the request was let go of definitely
+    HOOK_FAILED = "pushkv.hook_failed"
 
 
 class Event(str, Enum):
@@ -116,6 +121,8 @@ class Attr(str, Enum):
     FAILED_ROLE = "pushkv.router.failed_role"  # "prefill" | "decode": whose leg failed
     DEGRADED = "pushkv.router.degraded"  # on `request`: served by D alone (no P usable)
     REASON = "pushkv.reason"  # why a span ended in error
+    HOOK = "pushkv.hook"  # on `hook_failed`: the connector hook that raised
+    FAULT = "pushkv.fault"  # an injected fault (test-only, connector/transport/faulty.py)
     # GenAI semantic conventions
     REQUEST_MODEL = "gen_ai.request.model"
     REQUEST_ID = "gen_ai.request.id"
@@ -130,6 +137,24 @@ class Outcome(str, Enum):
 
     OK = "ok"
     CANCELLED = "cancelled"  # the client left, or a leg was cancelled
+    HOOK_ERROR = "hook_error"  # a connector hook of ours raised (pushkv.reason)
+
+
+class Count(str, Enum):
+    """Stable names of pushkv's fault counters: the transfer thread's ``counters`` (its
+    Sender's and Receiver's merged in), the worker's and the scheduler role's. A value
+    ending in "_" is a prefix, followed by a FailReason value (or a fault kind): e.g.
+    ``recv_failed_deadline``. The metrics exporter publishes them under these names."""
+
+    RECV_FAILED = "recv_failed_"  # D: a load reported failed, by reason
+    RECV_ABANDONED = "recv_abandoned"  # D: a silent source given up (last resort)
+    FAIL_SENT = "fail_sent_"  # P: a transfer ended without its WRITE and D was told, by reason
+    COMPLETION_RESENT = "completion_resent"  # P: a cancel for a DONE transfer (lost `done`)
+    WRITE_FAILED = "write_"  # P: a WRITE failed, by reason (post_error, write_timeout...)
+    SEND_FAILED = "send_failed"  # a notification could not be sent
+    HOOK_ERRORS = "hook_errors"  # a connector hook of ours raised
+    HOOK_EFFECT = "hook_failed_"  # ... and what letting go of its request did (lifecycle)
+    INJECTED = "injected_"  # a fault injected for a test (connector/transport/faulty.py)
 
 
 class RouterMode(str, Enum):

@@ -112,6 +112,26 @@ class RecvReported:
     request_id: str
 
 
+# ---------------------------------------------------------------- events: our own failure
+@dataclass(frozen=True)
+class HookFailed:
+    """A hook of ours raised for this request (plugin.py's guard) and vLLM is not waiting
+    for a load of it: pushkv lets go of the request, definitely. P: D is told at once, and
+    a push that may read the blocks is reclaimed; D: P frees its blocks (not needed) and D
+    computes the prompt, or, once registered, the load is aborted and reported failed."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class LoadHookFailed:
+    """D: a hook raised after vLLM was told to wait for the load (update_state_after_alloc
+    with tokens to load): the load is reported failed, so vLLM applies
+    kv_load_failure_policy."""
+
+    request_id: str
+
+
 NewReqEvent = PrefillLegAdded | DecodeLegAdded | LegRejected
 ReqEvent = (
     BlocksAllocated
@@ -121,6 +141,8 @@ ReqEvent = (
     | RequestFinished
     | PushReported
     | RecvReported
+    | HookFailed
+    | LoadHookFailed
 )
 
 
@@ -137,6 +159,8 @@ class Effect(enum.Enum):
     STAGE_ABORT = "stage_abort"  # D: stop waiting; vLLM holds the blocks until reported
     FREE_BLOCKS = "free_blocks"  # P: pass finished_sending on; vLLM frees the blocks
     TIME_FIRST_TOKEN = "time_first_token"  # D: the KV is in; watch for the first token
+    # D: report the load failed now (nothing was registered) and free P's blocks
+    STAGE_LOAD_FAILED = "stage_load_failed"
 
 
 @dataclass(frozen=True)
@@ -195,6 +219,19 @@ LIFECYCLE: dict[tuple[ReqState, type[ReqEvent]], Transition] = {
     (_S.DONE, PromptCached): IGNORE,  # allocated again after the load or a preemption
     (_S.DONE, Preempted): IGNORE,
     (_S.DONE, RequestFinished): Transition(_S.RELEASED),
+    # A hook of ours raised: pushkv lets go of the request, and every side learns it now.
+    (_S.PREFILLING, HookFailed): Transition(_S.RELEASED, Effect.STAGE_PREFILL_ABORT),
+    (_S.PUSHING, HookFailed): Transition(_S.SPENT, Effect.RECLAIM),
+    (_S.PUSHED_EARLY, HookFailed): Transition(_S.SPENT),  # no WRITE reads the blocks
+    (_S.HANDED_OVER, HookFailed): IGNORE,  # vLLM keeps the blocks until the push reports
+    (_S.SPENT, HookFailed): IGNORE,
+    (_S.AWAITING_ALLOC, HookFailed): Transition(_S.DONE, Effect.STAGE_NOT_NEEDED),
+    (_S.AWAITING_ALLOC, LoadHookFailed): Transition(_S.RELEASED, Effect.STAGE_LOAD_FAILED),
+    (_S.RECEIVING, HookFailed): Transition(_S.ABORTING, Effect.STAGE_ABORT),
+    (_S.RECEIVING, LoadHookFailed): Transition(_S.ABORTING, Effect.STAGE_ABORT),
+    (_S.ABORTING, HookFailed): IGNORE,
+    (_S.ABORTING, LoadHookFailed): IGNORE,
+    (_S.DONE, HookFailed): IGNORE,
 }
 """Every (state, event) pair a request can meet. Missing pairs are events vLLM cannot send in
 that state: only running requests are scheduled or preempted (not finished ones, nor ones

@@ -44,7 +44,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 BlockIds = Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 Detail = Annotated[str, msgspec.Meta(max_length=512)]
-TtlMs = Annotated[int, msgspec.Meta(ge=1, le=24 * 3600 * 1000)]
+MAX_TTL_MS: Final = 24 * 3600 * 1000
+TtlMs = Annotated[int, msgspec.Meta(ge=1, le=MAX_TTL_MS)]
 
 
 class FailReason(str, enum.Enum):
@@ -98,9 +99,13 @@ class Register(_Msg, tag="register", frozen=True):
     block_ids: Annotated[tuple[BlockIds, ...], msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
     first_token: Count
     num_tokens: Count
-    # Relative, not absolute: P and D clocks need not agree.
+    # Relative, not absolute: P and D clocks need not agree. What remains of D's wait when
+    # it sends this: P posts no WRITE later than ttl_ms after receiving it.
     ttl_ms: TtlMs
     trace: TraceContext | None = None
+    # D's bound on one WRITE into these blocks (done or aborted within it); P applies the
+    # shorter of this and its own write_timeout_s. None: P's own (an older D).
+    write_timeout_ms: TtlMs | None = None
 
 
 class Completion(_Msg, tag="done", frozen=True):

@@ -77,6 +77,11 @@ class SendRecord:
     aborting: bool = False
     reason: FailReason | None = None
     extra_fail_to: tuple[PeerAddr, ...] = ()
+    # The bounds D set in its registrations (the earliest of each): P posts no WRITE after
+    # post_by_ns, and a WRITE it posts ends (done or aborted) within write_bound_ns. D
+    # knows both in its own clock, so it never frees blocks a WRITE may still reach.
+    post_by_ns: int | None = None
+    write_bound_ns: int | None = None
 
     def peers(self) -> tuple[PeerAddr, ...]:
         return tuple(r.d_addr for _, r in sorted(self.registrations.items()))
@@ -93,6 +98,17 @@ def _reg_ttl(reg: Register, ctx: SendCtx) -> int:
     return min(reg.ttl_ms * 1_000_000, ctx.policy.max_registration_ttl_ns)
 
 
+def _capped(rec: SendRecord, deadline_ns: int) -> int:
+    """A waiting state's deadline never runs past D's post-by bound."""
+    return deadline_ns if rec.post_by_ns is None else min(deadline_ns, rec.post_by_ns)
+
+
+def _write_timeout(rec: SendRecord, ctx: SendCtx) -> int:
+    """Our own WRITE timeout, or the shorter one every registering D rank asked for."""
+    own = ctx.policy.write_timeout_ns
+    return own if rec.write_bound_ns is None else min(own, rec.write_bound_ns)
+
+
 def _add_registration(rec: SendRecord, reg: Register, ctx: SendCtx) -> None:
     targets = ctx.targets_for(reg.d_tp_size)
     if rec.expected_d_ranks is None:
@@ -106,6 +122,13 @@ def _add_registration(rec: SendRecord, reg: Register, ctx: SendCtx) -> None:
             f"{reg.transfer_id}: duplicate registration of D rank {reg.d_rank}"
         )
     rec.registrations[reg.d_rank] = reg
+    # ttl_ms is what remained of D's wait when it sent this: counted from our receipt, it
+    # ends no earlier than D's own deadline, and later only by the message's delay.
+    post_by = ctx.now_ns + reg.ttl_ms * 1_000_000
+    rec.post_by_ns = post_by if rec.post_by_ns is None else min(rec.post_by_ns, post_by)
+    if reg.write_timeout_ms is not None:
+        bound = reg.write_timeout_ms * 1_000_000
+        rec.write_bound_ns = bound if rec.write_bound_ns is None else min(rec.write_bound_ns, bound)
 
 
 def _all_registered(rec: SendRecord) -> bool:
@@ -115,8 +138,12 @@ def _all_registered(rec: SendRecord) -> bool:
 def _issue(rec: SendRecord, ctx: SendCtx) -> list[ev.SendAction]:
     if rec.write_issued:
         raise LocalProtocolError(f"{rec.transfer_id}: second WRITE for one transfer id")
+    if rec.post_by_ns is not None and ctx.now_ns > rec.post_by_ns:
+        # Past D's bound (its deadline had not been ticked yet): D may free its blocks
+        # from now on, so a WRITE must not start.
+        return _end(rec, SendState.EXPIRED, ctx, FailReason.REGISTRATION_EXPIRED)
     rec.state, rec.write_issued = SendState.WRITING, True
-    rec.deadline_ns = ctx.now_ns + ctx.policy.write_timeout_ns
+    rec.deadline_ns = ctx.now_ns + _write_timeout(rec, ctx)
     assert rec.request_id is not None
     return [
         ev.IssueWrite(
@@ -159,7 +186,7 @@ def _s_registered_registered(
     rec: SendRecord, e: ev.Registered, ctx: SendCtx
 ) -> list[ev.SendAction]:
     _add_registration(rec, e.reg, ctx)
-    rec.deadline_ns = max(rec.deadline_ns, ctx.now_ns + _reg_ttl(e.reg, ctx))
+    rec.deadline_ns = _capped(rec, max(rec.deadline_ns, ctx.now_ns + _reg_ttl(e.reg, ctx)))
     return []
 
 
@@ -167,7 +194,7 @@ def _s_registered_prefill(rec: SendRecord, e: ev.PrefillDone, ctx: SendCtx) -> l
     _prefill_into(rec, e)
     if _all_registered(rec):
         return _issue(rec, ctx)
-    rec.state, rec.deadline_ns = SendState.PREFILLED, ctx.now_ns + ctx.policy.lease_ns
+    rec.state, rec.deadline_ns = SendState.PREFILLED, _capped(rec, ctx.now_ns + ctx.policy.lease_ns)
     return []
 
 
@@ -189,10 +216,10 @@ def _s_waiting_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list
 
 def _s_waiting_heartbeat(rec: SendRecord, e: ev.HeartbeatSeen, ctx: SendCtx) -> list[ev.SendAction]:
     if rec.state is SendState.PREFILLED:
-        rec.deadline_ns = ctx.now_ns + ctx.policy.lease_ns
+        rec.deadline_ns = _capped(rec, ctx.now_ns + ctx.policy.lease_ns)
     else:
         ttl = max((_reg_ttl(r, ctx) for r in rec.registrations.values()), default=0)
-        rec.deadline_ns = max(rec.deadline_ns, ctx.now_ns + ttl)
+        rec.deadline_ns = _capped(rec, max(rec.deadline_ns, ctx.now_ns + ttl))
     return []
 
 
@@ -218,10 +245,15 @@ def _s_registered_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> 
 
 def _s_prefilled_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[ev.SendAction]:
     _add_registration(rec, e.reg, ctx)
-    return _issue(rec, ctx) if _all_registered(rec) else []
+    if _all_registered(rec):
+        return _issue(rec, ctx)
+    rec.deadline_ns = _capped(rec, rec.deadline_ns)
+    return []
 
 
 def _s_prefilled_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[ev.SendAction]:
+    if rec.post_by_ns is not None and ctx.now_ns >= rec.post_by_ns:
+        return _end(rec, SendState.EXPIRED, ctx, FailReason.REGISTRATION_EXPIRED)
     return _end(rec, SendState.EXPIRED, ctx, FailReason.LEASE_EXPIRED)
 
 
@@ -242,9 +274,9 @@ def _s_writing_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list
 def _s_writing_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> list[ev.SendAction]:
     # Never free blocks under a live WRITE: ask for an abort and wait for WriteFailed.
     if rec.aborting:
-        rec.deadline_ns = ctx.now_ns + ctx.policy.write_timeout_ns
+        rec.deadline_ns = ctx.now_ns + _write_timeout(rec, ctx)
         return []
-    rec.aborting, rec.deadline_ns = True, ctx.now_ns + ctx.policy.write_timeout_ns
+    rec.aborting, rec.deadline_ns = True, ctx.now_ns + _write_timeout(rec, ctx)
     return [ev.AbortWrite(rec.transfer_id)]
 
 
@@ -328,6 +360,7 @@ SEND_NEW: dict[type, Callable[[Any, SendCtx], tuple[SendRecord, list[ev.SendActi
 def _new_registered(e: ev.Registered, ctx: SendCtx) -> tuple[SendRecord, list[ev.SendAction]]:
     rec = SendRecord(e.reg.transfer_id, SendState.REGISTERED, ctx.now_ns + _reg_ttl(e.reg, ctx))
     _add_registration(rec, e.reg, ctx)
+    rec.deadline_ns = _capped(rec, rec.deadline_ns)
     return rec, []
 
 
@@ -430,7 +463,13 @@ class SourceState(enum.Enum):
 @dataclass(frozen=True)
 class ReceiverPolicy:
     timeout_ns: int = 60_000_000_000  # registration sent → last completion
-    grace_ns: int = 10_000_000_000  # after a cancel, wait this long for P's answer
+    # A source that never answers a cancel is given up only this long after the latest
+    # moment its WRITE could end (the receive deadline + write_timeout_ns): a message's
+    # one-way delay and an aborted WRITE's wind-down must fit in it.
+    grace_ns: int = 10_000_000_000
+    # Sent in every registration: a WRITE P posts into our blocks ends (done or aborted)
+    # within this long, and P posts none after our receive deadline.
+    write_timeout_ns: int = 30_000_000_000
     heartbeat_interval_ns: int = 5_000_000_000
     tombstone_ns: int = 120_000_000_000
 
@@ -445,6 +484,14 @@ class RecvRecord:
     status: dict[int, SourceState]
     reason: FailReason | None = None
     abandoned: bool = False  # reported although a source never answered (last resort)
+    # The receive deadline as first set: no source posts a WRITE after it (each
+    # registration's ttl_ms is the time left until it), so none lands after
+    # expires_ns + policy.write_timeout_ns.
+    expires_ns: int = 0
+
+    def safe_ns(self, policy: ReceiverPolicy) -> int:
+        """When no WRITE of a silent source can still reach our blocks, with the margin."""
+        return self.expires_ns + policy.write_timeout_ns + policy.grace_ns
 
     def pending(self) -> tuple[ev.Source, ...]:
         return tuple(
@@ -478,7 +525,9 @@ def _mark(rec: RecvRecord, p_rank: int, to: SourceState) -> None:
 
 def _cancel(rec: RecvRecord, reason: FailReason, ctx: RecvCtx) -> list[ev.RecvAction]:
     rec.state, rec.reason = RecvState.CANCELLING, rec.reason or reason
-    rec.deadline_ns = ctx.now_ns + ctx.policy.grace_ns
+    # A silent source is given up only once its WRITE could not land any more; an answer
+    # (fail, or the WRITE's completion) ends the wait at once.
+    rec.deadline_ns = max(ctx.now_ns + ctx.policy.grace_ns, rec.safe_ns(ctx.policy))
     pending = rec.pending()
     return [ev.SendCancel(rec.transfer_id, pending, reason)] if pending else _settle(rec, ctx)
 
@@ -516,7 +565,8 @@ def _r_awaiting_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> li
 
 def _r_cancelling_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[ev.RecvAction]:
     # Last resort so the engine never waits forever: a source neither answered nor was
-    # seen to die. Counted and logged by the caller.
+    # seen to die, and its WRITE deadline (known to us) has passed. Counted and logged by
+    # the caller.
     rec.abandoned = True
     for p in list(rec.status):
         if rec.status[p] is SourceState.PENDING:
@@ -567,6 +617,7 @@ def _new_expected(e: ev.Expected, ctx: RecvCtx) -> tuple[RecvRecord, list[ev.Rec
         ctx.now_ns + ctx.policy.timeout_ns,
         sources,
         {p: SourceState.PENDING for p in sources},
+        expires_ns=ctx.now_ns + ctx.policy.timeout_ns,
     )
     return rec, [ev.SendRegister(e.transfer_id, s) for s in e.sources]
 

@@ -347,18 +347,20 @@ def create_app(
                 on_shutdown()
 
     async def health(_request: Request) -> Response:
-        reason = state.backends.unavailable_reason()
-        if reason is not None:
-            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         b = state.backends
-        return JSONResponse(
-            {
-                "status": "ok",
-                "mode": config.mode.value,
-                "prefill_eligible": sum(x.load.eligible for x in b.prefill),
-                "decode_eligible": sum(x.load.eligible for x in b.decode),
-            }
-        )
+        reason = b.unavailable_reason()
+        body: dict[str, Any] = {
+            "status": "ok",
+            "mode": config.mode.value,
+            "prefill_eligible": sum(x.load.eligible for x in b.prefill),
+            "decode_eligible": sum(x.load.eligible for x in b.decode),
+        }
+        if reason is not None and config.degraded and b.pick(Role.DECODE) is not None:
+            # Only P is missing: degraded mode serves every request through D alone.
+            body.update(status="degraded", reason=f"{DEGRADED['reason']} ({reason})")
+        elif reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse(body)
 
     async def models(_request: Request) -> Response:
         d = state.backends.pick(Role.DECODE)

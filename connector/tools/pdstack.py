@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, ClassVar, Self
 
+import httpx
+
 from connector.tools.stack import (
     ChildProcess,
     ServerError,
@@ -97,7 +99,8 @@ def _distinct_free_ports(n: int) -> list[int]:
 @dataclass
 class RouterProcess(ChildProcess):
     """``python -m connector.cli router ...`` in its own session; healthy when its
-    ``/health`` answers 200 (both backends healthy and, in push mode, P probed)."""
+    ``/health`` answers 200 with status "ok" (both backends healthy and, in push mode, P
+    probed; "degraded", D alone, is not what a stack is started for)."""
 
     kind: ClassVar[str] = "router"
     prefill_url: str
@@ -111,6 +114,12 @@ class RouterProcess(ChildProcess):
     env: Mapping[str, str] = field(default_factory=dict)  # added to this environment
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    def ready(self, health: httpx.Response) -> bool:
+        try:
+            return health.status_code == 200 and health.json().get("status") == "ok"
+        except ValueError:
+            return False
 
     def command(self) -> list[str]:
         return [

@@ -196,6 +196,10 @@ class ChildProcess:
             preexec_fn=preexec_fn,
         )
 
+    def ready(self, health: httpx.Response) -> bool:
+        """Whether a /health answer means ready to serve as this service should."""
+        return health.status_code == 200
+
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
         """Poll GET /health until 200. Raise ServerError at once if the process exits, or
         after ``timeout_s``; either message carries the last 40 log lines."""
@@ -213,7 +217,7 @@ class ChildProcess:
                     )
                 try:
                     r = client.get(f"{self.url}/health")
-                    if r.status_code == 200:
+                    if self.ready(r):
                         return
                     last = f"{r.status_code} {r.text[:200]}"
                 except httpx.HTTPError as exc:  # not listening yet: ask again
@@ -236,6 +240,18 @@ class ChildProcess:
         proc, self._proc = self._proc, None
         if proc is not None:
             stop_process_group(proc, timeout_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would (fault tests); the
+        service can be started again afterwards."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

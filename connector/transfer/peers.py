@@ -22,6 +22,10 @@ OnReady = Callable[[], None]
 OnFail = Callable[[TransportError], None]
 
 
+class NotSent(TransportError):
+    """A message that was no longer worth sending when its peer became reachable."""
+
+
 @dataclass
 class _Dial:
     addr: PeerAddr
@@ -63,14 +67,25 @@ class Peers:
         dial.waiting.append((ready, fail))
 
     def send(
-        self, addr: PeerAddr, frame: bytes, now_ns: int, fail: OnFail, sent: OnReady | None = None
+        self,
+        addr: PeerAddr,
+        frame: bytes | Callable[[], bytes | None],
+        now_ns: int,
+        fail: OnFail,
+        sent: OnReady | None = None,
     ) -> None:
         """Send a notification, dialing first if needed; ``fail`` gets any transport error,
-        ``sent`` is called once the transport took it."""
+        ``sent`` is called once the transport took it. A callable ``frame`` is built when
+        the peer is ready (it may say how much time is left then); None means too late:
+        nothing is sent and ``fail`` gets ``NotSent``."""
 
         def go() -> None:
+            data = frame() if callable(frame) else frame
+            if data is None:
+                fail(NotSent(f"a message to {addr.agent} was due before its peer was ready"))
+                return
             try:
-                self._t.send_notif(addr.agent, frame)
+                self._t.send_notif(addr.agent, data)
             except TransportError as exc:
                 self.lost(addr.agent, exc)
                 fail(exc)

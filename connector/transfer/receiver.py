@@ -23,9 +23,10 @@ from connector.core.layout import KVLayout
 from connector.core.receiver_table import ReceiverTable
 from connector.core.state import ReceiverPolicy
 from connector.transfer.guard import Guard
-from connector.transfer.peers import Peers
+from connector.transfer.peers import NotSent, Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,11 @@ class Receiver:
             elif isinstance(a, ev.ReportReceived):
                 self._expected.pop(a.transfer_id, None)
                 rec = self.table.get(a.transfer_id)
+                if not a.ok:
+                    reason = a.reason.value if a.reason else "unknown"
+                    self.counters[f"{Count.RECV_FAILED.value}{reason}"] += 1
                 if rec is not None and rec.abandoned:
+                    self.counters[Count.RECV_ABANDONED.value] += 1
                     logger.error("Transfer %s abandoned: a P rank never answered", a.transfer_id)
                 elif not a.ok:
                     logger.warning(
@@ -174,21 +179,33 @@ class Receiver:
             self.peers.send(
                 a.source.addr, self._codec.encode(offer), now_ns, self._offer_failed(agent)
             )
-        frame = self._codec.encode(
-            m.Register(
-                transfer_id=a.transfer_id,
-                d_engine_id=self.me.engine_id,
-                d_rank=self.me.rank,
-                d_tp_size=self.me.tp_size,
-                d_addr=self.me.addr,
-                layout=self.layout,
-                block_ids=exp.block_ids,
-                first_token=exp.first_token,
-                num_tokens=exp.num_tokens,
-                ttl_ms=max(1, self.policy.timeout_ns // 1_000_000),
-                trace=exp.trace,
+
+        def frame() -> bytes | None:
+            # Built when sent (a dial may come first): ttl_ms is what is left until our
+            # receive deadline, so P posts no WRITE after it (docs/protocol.md, Deadlines).
+            rec = self.table.get(a.transfer_id)
+            left_ms = (rec.expires_ns - self._clock()) // 1_000_000 if rec is not None else 0
+            if left_ms < 1:
+                return None
+            return self._codec.encode(
+                m.Register(
+                    transfer_id=a.transfer_id,
+                    d_engine_id=self.me.engine_id,
+                    d_rank=self.me.rank,
+                    d_tp_size=self.me.tp_size,
+                    d_addr=self.me.addr,
+                    layout=self.layout,
+                    block_ids=exp.block_ids,
+                    first_token=exp.first_token,
+                    num_tokens=exp.num_tokens,
+                    ttl_ms=min(left_ms, m.MAX_TTL_MS),
+                    trace=exp.trace,
+                    write_timeout_ms=min(
+                        max(1, self.policy.write_timeout_ns // 1_000_000), m.MAX_TTL_MS
+                    ),
+                )
             )
-        )
+
         self.peers.send(
             a.source.addr,
             frame,
@@ -201,13 +218,14 @@ class Receiver:
         def fail(exc: TransportError) -> None:
             # Undelivered: that rank never saw this message, or is gone. Either way it
             # will not write for this transfer.
-            self.counters["send_failed"] += 1
+            self.counters[Count.SEND_FAILED.value] += 1
             logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
-            reason = (
-                m.FailReason.PEER_LOST
-                if isinstance(exc, PeerDisconnected)
-                else m.FailReason.HANDSHAKE
-            )
+            if isinstance(exc, PeerDisconnected):
+                reason = m.FailReason.PEER_LOST
+            elif isinstance(exc, NotSent):
+                reason = m.FailReason.DEADLINE
+            else:
+                reason = m.FailReason.HANDSHAKE
             now = self._clock()
             self._run(self.table.handle(ev.SendFailed(tid, src.p_rank, reason), now), now)
 
@@ -221,7 +239,7 @@ class Receiver:
         return fail
 
     def _count_failure(self, exc: TransportError) -> None:
-        self.counters["send_failed"] += 1
+        self.counters[Count.SEND_FAILED.value] += 1
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _on_heartbeat_error(self, addr: m.PeerAddr) -> Callable[[TransportError], None]:

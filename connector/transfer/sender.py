@@ -31,6 +31,7 @@ from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, PrefillNote
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.base import Transport, WriteHandle
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -219,12 +220,14 @@ class Sender:
             elif isinstance(a, ev.AbortWrite):
                 self._abort(a.transfer_id, now_ns)
             elif isinstance(a, ev.SendFail):
+                self.counters[f"{Count.FAIL_SENT.value}{a.reason.value}"] += 1
                 frame = self._codec.encode(
                     m.Fail(transfer_id=a.transfer_id, p_rank=self.me.rank, reason=a.reason)
                 )
                 for addr in a.to:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
             elif isinstance(a, ev.ResendCompletion):
+                self.counters[Count.COMPLETION_RESENT.value] += 1
                 frame = self._completion(a.transfer_id, 0, 0)
                 for addr in a.to:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
@@ -252,7 +255,7 @@ class Sender:
         )
 
     def _count_send_failure(self, exc: TransportError) -> None:
-        self.counters["send_failed"] += 1
+        self.counters[Count.SEND_FAILED.value] += 1
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _post(self, a: ev.IssueWrite, now_ns: int) -> None:
@@ -369,7 +372,7 @@ class Sender:
         self._note_failure(w, reason, exc)
 
     def _note_failure(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
-        self.counters[f"write_{reason.value}"] += 1
+        self.counters[f"{Count.WRITE_FAILED.value}{reason.value}"] += 1
         if w.failure is None:
             w.failure, w.detail = reason, str(exc)
             logger.warning(
@@ -437,6 +440,12 @@ class Sender:
             logger.warning("Releasing a WRITE to %s failed: %s", h.peer, exc)
 
     def _abort(self, tid: str, now_ns: int) -> None:
+        if self._deferred.pop(tid, None) is not None:
+            # Never posted (its KV was not computed yet): it must not start past its deadline.
+            self.counters[f"{Count.WRITE_FAILED.value}{m.FailReason.WRITE_TIMEOUT.value}"] += 1
+            event = ev.WriteFailed(tid, m.FailReason.WRITE_TIMEOUT, "KV not ready in time")
+            self._run(self.table.handle(event, now_ns), now_ns)
+            return
         w = self._writes.get(tid)
         if w is None:
             return

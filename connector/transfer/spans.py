@@ -4,10 +4,11 @@ scheduler.
 Owns: the notes the engine hands the transfer thread with each event (``PrefillNote``,
 ``RegisterNote``: the trace context and the engine's own timestamps), ``TransferSpans``
 (P: ``prefill``, ``rendezvous_wait``, ``prepare_descriptors``, ``write``; D: ``register``,
-``await_kv``), ``NO_SPANS`` (tracing off: every hook is a no-op) and ``emit_first_token``
-(D's scheduler). Names and keys come from ``telemetry.schema``; nothing here touches vLLM
-or NIXL. ``TransferSpans`` is called only from the transfer thread, after the fact: a span
-is one ``emit`` call, so no span stays open across threads.
+``await_kv``), ``NO_SPANS`` (tracing off: every hook is a no-op), ``emit_first_token``
+(D's scheduler) and ``emit_hook_failed`` (either scheduler: a hook of ours raised). Names
+and keys come from ``telemetry.schema``; nothing here touches vLLM or NIXL.
+``TransferSpans`` is called only from the transfer thread, after the fact: a span is one
+``emit`` call, so no span stays open across threads.
 
 Wall-clock nanoseconds (``time.time_ns``) throughout: span times, and the same clock in
 every process of the host, so P's and D's spans line up in one trace.
@@ -23,7 +24,7 @@ from typing import Any
 from connector.core import events as ev
 from connector.core.messages import FailReason, TraceContext
 from telemetry.emit import emit, parent_context
-from telemetry.schema import Attr, Event, Span
+from telemetry.schema import Attr, Event, Outcome, Span
 
 # A transfer whose end is never seen (an orphan registration that expired) must not keep
 # its record forever.
@@ -333,6 +334,33 @@ def emit_leg_rejected(
         end_ns=at_ns,
         attributes={**_request_attrs(transfer_id, request_id, engine_id), Attr.PEER: peer},
         error=reason,
+    )
+
+
+def emit_hook_failed(
+    tracer: Any,
+    trace: TraceContext | None,
+    *,
+    hook: str,
+    transfer_id: str | None,
+    request_id: str,
+    engine_id: str,
+    at_ns: int,
+) -> None:
+    """P or D: a hook of ours raised for this request, which was let go of definitely."""
+    emit(
+        tracer,
+        Span.HOOK_FAILED,
+        parent=_parent(trace),
+        start_ns=at_ns,
+        end_ns=at_ns,
+        attributes={
+            Attr.TRANSFER_ID: transfer_id,
+            Attr.REQUEST_ID: request_id,
+            Attr.ENGINE_ID: engine_id,
+            Attr.HOOK: hook,
+        },
+        error=Outcome.HOOK_ERROR.value,
     )
 
 

@@ -208,6 +208,9 @@ class TransferThread:
                     "Transfer thread %s did not stop within %.1fs", self._thread.name, timeout_s
                 )
                 return  # still inside wait(): leave the bell's sockets to the process
+        for endpoint in (self.sender, self.receiver):  # their fault counters (schema.Count)
+            if endpoint is not None:
+                self.counters.update(endpoint.counters)
         if self._bell is not None:
             self.counters.update({f"bell_{k}": v for k, v in self._bell.counters.items()})
             self._bell.close()

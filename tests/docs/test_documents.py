@@ -197,7 +197,7 @@ def _defaults(target: str) -> dict[str, Any]:
     module, _, name = target.partition(":")
     obj = getattr(importlib.import_module(module), name)
     if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
-        return {f.name: f.default for f in msgspec.structs.fields(obj)}
+        return {f.encode_name: f.default for f in msgspec.structs.fields(obj)}
     parser = obj()  # an argparse parser factory
     out: dict[str, Any] = {}
     for action in parser._actions:

@@ -13,9 +13,10 @@ import pytest
 
 from connector.core import events as ev
 from connector.core import messages as m
+from connector.core.state import ReceiverPolicy
 from connector.tools.loopback import RankSpec, expected_event
 from connector.transfer.guard import Guard
-from connector.transfer.peers import Peers
+from connector.transfer.peers import NotSent, Peers
 from connector.transfer.receiver import Receiver
 from connector.transfer.sender import Sender
 from connector.transfer.thread import TransferThread
@@ -33,6 +34,7 @@ class Pair:
         d_num_tokens_delta: int = 0,
         dial_timeout_ns: int = 50 * MS,
         guards: tuple[Guard, Guard] | None = None,
+        recv_policy: ReceiverPolicy = ReceiverPolicy(),
     ) -> None:
         """``guards``: P's and D's codecs (with a secret: sealed notifications)."""
         self.fabric = FakeFabric()
@@ -60,6 +62,7 @@ class Pair:
             RankInfo("decode", 0, 1, self.d_spec.addr),
             d_layout,
             Peers(self.td, dial_timeout_ns),
+            recv_policy,
             clock=lambda: self.now,
             guard=self.d_guard,
         )
@@ -167,6 +170,52 @@ def test_write_waits_for_the_compute_step() -> None:
     done["v"] = True
     pair.pump()
     assert len(pair.fabric.posted) == 1 and pair.receiver.finished[0].ok
+
+
+def test_registration_tells_p_ds_deadline_and_write_bound() -> None:
+    pair = Pair(recv_policy=ReceiverPolicy(timeout_ns=400 * MS, write_timeout_ns=70 * MS))
+    pair.expect("t", 16, (4,))
+    pair.pump(rounds=5)
+    rec = pair.sender.table.get("t")
+    assert rec is not None and rec.write_bound_ns == 70 * MS
+    d_rec = pair.receiver.table.get("t")
+    assert d_rec is not None
+    # ttl_ms was what was left of D's wait when sent: P's bound is D's deadline, plus the
+    # (fake) wire's delay.
+    assert rec.post_by_ns is not None and d_rec.expires_ns <= rec.post_by_ns
+    assert rec.post_by_ns - d_rec.expires_ns <= 5 * MS
+
+
+def test_a_write_whose_kv_is_late_past_its_deadline_is_never_posted() -> None:
+    pair = Pair(recv_policy=ReceiverPolicy(timeout_ns=400 * MS, write_timeout_ns=5 * MS))
+    pair.expect("t", 16, (4,))
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now, ready=lambda: False)
+    pair.pump(rounds=20)
+    assert pair.fabric.posted == []
+    (got,) = pair.receiver.finished
+    assert not got.ok and got.reason is m.FailReason.WRITE_TIMEOUT
+    assert pair.sender.finished == ["preq"]
+
+
+def test_a_registration_due_past_ds_deadline_is_not_sent_and_fails_the_load() -> None:
+    # The dial to P outlasts D's receive deadline: a registration sent now would let P
+    # write after D's bound, so it is not sent, and the load fails at once.
+    pair = Pair(recv_policy=ReceiverPolicy(timeout_ns=5 * MS, write_timeout_ns=2 * MS))
+    pair.expect("t", 16, (4,))
+    pair.pump(rounds=5, dt_ns=20 * MS)
+    (got,) = pair.receiver.finished
+    assert not got.ok and got.reason is m.FailReason.DEADLINE
+    assert pair.sender.table.get("t") is None, "P must never hear of it"
+    assert pair.receiver.counters["send_failed"] == 1
+
+
+def test_a_message_built_too_late_is_not_sent() -> None:
+    pair = Pair()
+    failed: list = []
+    pair.receiver.peers.send(pair.p_spec.addr, lambda: None, pair.now, failed.append)
+    pair.pump(rounds=5)
+    assert len(failed) == 1 and isinstance(failed[0], NotSent)
+    assert pair.tp.get_notifs() == []
 
 
 def test_unreachable_decode_fails_the_dial_and_frees_blocks() -> None:

@@ -31,6 +31,7 @@ def register(
     d_tp_size: int = 1,
     ttl_ms: int = 10_000,
     blocks: tuple[int, ...] = (1, 2, 3),
+    write_timeout_ms: int | None = None,
 ) -> Register:
     return Register(
         transfer_id=tid,
@@ -43,6 +44,7 @@ def register(
         first_token=0,
         num_tokens=16 * len(blocks),
         ttl_ms=ttl_ms,
+        write_timeout_ms=write_timeout_ms,
     )
 
 

@@ -25,7 +25,7 @@ P_STATES = frozenset({S.PREFILLING, S.PUSHING, S.PUSHED_EARLY, S.HANDED_OVER, S.
 D_STATES = frozenset({S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING, S.DONE})
 LIVE = P_STATES | D_STATES
 P_EVENTS = (lc.PrefillScheduled, lc.PushReported)
-D_EVENTS = (lc.BlocksAllocated, lc.PromptCached, lc.RecvReported)
+D_EVENTS = (lc.BlocksAllocated, lc.PromptCached, lc.RecvReported, lc.LoadHookFailed)
 EVENTS = [
     lc.BlocksAllocated("r"),
     lc.PromptCached("r"),
@@ -34,19 +34,40 @@ EVENTS = [
     lc.RequestFinished("r"),
     lc.PushReported("r"),
     lc.RecvReported("r"),
+    lc.HookFailed("r"),
+    lc.LoadHookFailed("r"),
 ]
 # Where each effect may fire: the caller stages work only from these pairs.
 EFFECT_AT = {
     Effect.STAGE_REGISTRATION: {(S.AWAITING_ALLOC, lc.BlocksAllocated)},
-    Effect.STAGE_NOT_NEEDED: {(S.AWAITING_ALLOC, lc.PromptCached)},
+    Effect.STAGE_NOT_NEEDED: {
+        (S.AWAITING_ALLOC, lc.PromptCached),
+        (S.AWAITING_ALLOC, lc.HookFailed),
+    },
     Effect.STAGE_PREFILL: {(S.PREFILLING, lc.PrefillScheduled)},
-    Effect.RECLAIM: {(S.PUSHING, lc.Preempted)},
+    Effect.RECLAIM: {(S.PUSHING, lc.Preempted), (S.PUSHING, lc.HookFailed)},
     Effect.DELAY_FREE: {(S.PUSHING, lc.RequestFinished)},
-    Effect.STAGE_PREFILL_ABORT: {(S.PREFILLING, lc.RequestFinished)},
-    Effect.STAGE_ABORT: {(S.RECEIVING, lc.RequestFinished)},
+    Effect.STAGE_PREFILL_ABORT: {(S.PREFILLING, lc.RequestFinished), (S.PREFILLING, lc.HookFailed)},
+    Effect.STAGE_ABORT: {
+        (S.RECEIVING, lc.RequestFinished),
+        (S.RECEIVING, lc.HookFailed),
+        (S.RECEIVING, lc.LoadHookFailed),
+    },
     Effect.FREE_BLOCKS: {(S.HANDED_OVER, lc.PushReported)},
     Effect.TIME_FIRST_TOKEN: {(S.RECEIVING, lc.RecvReported)},
+    Effect.STAGE_LOAD_FAILED: {(S.AWAITING_ALLOC, lc.LoadHookFailed)},
 }
+
+
+def test_a_raising_hook_lets_go_of_every_live_request_definitely() -> None:
+    """Our own failure never leaves a request waiting: in every live state the table has
+    an entry, and a D request vLLM waits on always gets a report staged or coming."""
+    for state in LIVE:
+        assert (state, lc.HookFailed) in LIFECYCLE, state
+    for state in (S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING):
+        t = LIFECYCLE[(state, lc.LoadHookFailed)]
+        # Staged now (load failed, abort) or already coming (ABORTING waits for its report).
+        assert t.effect in (Effect.STAGE_LOAD_FAILED, Effect.STAGE_ABORT) or state is S.ABORTING
 
 
 def test_every_event_type_is_in_the_pair_list() -> None:

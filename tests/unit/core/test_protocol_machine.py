@@ -3,7 +3,8 @@
 Over 400 lines, one job: one state machine, its simulated network and its invariants.
 
 P ranks (SenderTable) and D ranks (ReceiverTable) talk through a simulated network that
-reorders, duplicates and drops frames, encoded with the real codec. Rules cover
+reorders, duplicates and drops frames, encoded with the real codec, and loses any frame
+older than MAX_DELAY_NS (a bounded one-way delay: D's grace covers it). Rules cover
 registration, prefill done or aborted, WRITEs landing or failing, D aborts, a P rank
 dying, and time passing. Invariants are checked as actions come out; liveness (every
 handed-over block comes back, every expected transfer is reported) at teardown, after
@@ -36,8 +37,15 @@ SEND_POLICY = SenderPolicy(
     tombstone_ns=500 * MS,
 )
 RECV_POLICY = ReceiverPolicy(
-    timeout_ns=200 * MS, grace_ns=80 * MS, heartbeat_interval_ns=30 * MS, tombstone_ns=500 * MS
+    timeout_ns=200 * MS,
+    grace_ns=80 * MS,
+    heartbeat_interval_ns=30 * MS,
+    tombstone_ns=500 * MS,
+    write_timeout_ns=40 * MS,  # shorter than P's own: P must honour D's bound
 )
+# The network's longest one-way delay: a frame older than this is lost instead. D's grace
+# is its margin for it (docs/protocol.md, "Deadlines").
+MAX_DELAY_NS = 70 * MS
 
 
 def _rank(agent: str) -> int:
@@ -60,7 +68,7 @@ class PushProtocol(RuleBasedStateMachine):
         }
         self.D = {d: ReceiverTable(RECV_POLICY) for d in range(self.d_tp)}
         self.now = 0
-        self.net: list[tuple[str, int, bytes]] = []  # (side, rank, frame)
+        self.net: list[tuple[str, int, bytes, int]] = []  # (side, rank, frame, sent at)
         self.in_flight: dict[tuple[int, str], set[int]] = {}  # (p, tid) -> D ranks not landed
         self.landed: set[tuple[int, str, int]] = set()
         self.stuck: set[tuple[int, str]] = set()  # WRITEs that never finish on their own
@@ -105,25 +113,19 @@ class PushProtocol(RuleBasedStateMachine):
                 )
             elif isinstance(a, ev.SendFail):
                 for addr in a.to:
-                    self.net.append(
-                        (
-                            "D",
-                            _rank(addr.agent),
-                            m.encode(m.Fail(transfer_id=a.transfer_id, p_rank=p, reason=a.reason)),
-                        )
+                    self._send(
+                        "D",
+                        _rank(addr.agent),
+                        m.encode(m.Fail(transfer_id=a.transfer_id, p_rank=p, reason=a.reason)),
                     )
             elif isinstance(a, ev.ResendCompletion):
                 for addr in a.to:
-                    self.net.append(
-                        (
-                            "D",
-                            _rank(addr.agent),
-                            m.encode(
-                                m.Completion(
-                                    transfer_id=a.transfer_id, p_rank=p, p_tp_size=self.p_tp
-                                )
-                            ),
-                        )
+                    self._send(
+                        "D",
+                        _rank(addr.agent),
+                        m.encode(
+                            m.Completion(transfer_id=a.transfer_id, p_rank=p, p_tp_size=self.p_tp)
+                        ),
                     )
             else:
                 raise AssertionError(f"unexpected P action {a}")
@@ -141,54 +143,53 @@ class PushProtocol(RuleBasedStateMachine):
                         ),
                     )
                     continue
-                self.net.append(
-                    (
-                        "P",
-                        p,
-                        m.encode(
-                            m.Register(
-                                transfer_id=a.transfer_id,
-                                d_engine_id="decode",
-                                d_rank=d,
-                                d_tp_size=self.d_tp,
-                                d_addr=d_addr(d),
-                                layout=LAYOUT,
-                                block_ids=((1, 2),),
-                                first_token=0,
-                                num_tokens=32,
-                                ttl_ms=150,
-                            )
-                        ),
-                    )
+                rec = self.D[d].get(a.transfer_id)
+                assert rec is not None
+                left_ms = (rec.expires_ns - self.now) // MS  # as the Receiver computes it
+                assert left_ms >= 1
+                self._send(
+                    "P",
+                    p,
+                    m.encode(
+                        m.Register(
+                            transfer_id=a.transfer_id,
+                            d_engine_id="decode",
+                            d_rank=d,
+                            d_tp_size=self.d_tp,
+                            d_addr=d_addr(d),
+                            layout=LAYOUT,
+                            block_ids=((1, 2),),
+                            first_token=0,
+                            num_tokens=32,
+                            ttl_ms=left_ms,
+                            write_timeout_ms=RECV_POLICY.write_timeout_ns // MS,
+                        )
+                    ),
                 )
             elif isinstance(a, ev.SendCancel):
                 for src in a.to:
-                    self.net.append(
-                        (
-                            "P",
-                            src.p_rank,
-                            m.encode(
-                                m.Cancel(
-                                    transfer_id=a.transfer_id,
-                                    d_rank=d,
-                                    d_addr=d_addr(d),
-                                    reason=a.reason,
-                                )
-                            ),
-                        )
-                    )
-            elif isinstance(a, ev.SendHeartbeat):
-                ids = a.transfer_ids
-                self.net.append(
-                    (
+                    self._send(
                         "P",
-                        _rank(a.to.agent),
+                        src.p_rank,
                         m.encode(
-                            m.Heartbeat(
-                                transfer_id=ids[0], more_ids=ids[1:], d_rank=d, d_addr=d_addr(d)
+                            m.Cancel(
+                                transfer_id=a.transfer_id,
+                                d_rank=d,
+                                d_addr=d_addr(d),
+                                reason=a.reason,
                             )
                         ),
                     )
+            elif isinstance(a, ev.SendHeartbeat):
+                ids = a.transfer_ids
+                self._send(
+                    "P",
+                    _rank(a.to.agent),
+                    m.encode(
+                        m.Heartbeat(
+                            transfer_id=ids[0], more_ids=ids[1:], d_rank=d, d_addr=d_addr(d)
+                        )
+                    ),
                 )
             elif isinstance(a, ev.ReportReceived):
                 key = (d, a.transfer_id)
@@ -202,8 +203,9 @@ class PushProtocol(RuleBasedStateMachine):
                     for (p, tid), ds in self.in_flight.items()
                     if tid == a.transfer_id and d in ds and p not in self.dead
                 ]
-                if not rec.abandoned:
-                    assert not writers, f"D{d} released {a.transfer_id} while P{writers} may write"
+                # No exception for the last resort either: a silent source is given up only
+                # once its WRITE deadline, known to D, has passed.
+                assert not writers, f"D{d} released {a.transfer_id} while P{writers} may write"
                 if a.ok:
                     missing = [
                         p for p in self.sources[d] if (p, a.transfer_id, d) not in self.landed
@@ -212,8 +214,14 @@ class PushProtocol(RuleBasedStateMachine):
             else:
                 raise AssertionError(f"unexpected D action {a}")
 
-    def _deliver(self, side: str, rank: int, frame: bytes) -> None:
+    def _send(self, side: str, rank: int, frame: bytes) -> None:
+        self.net.append((side, rank, frame, self.now))
+
+    def _deliver(self, side: str, rank: int, frame: bytes, sent_ns: int) -> None:
         msg = m.decode(frame)
+        if self.now - sent_ns > MAX_DELAY_NS:
+            note(f"lost (too old) to {side}{rank}: {type(msg).__name__} {msg.transfer_id}")
+            return
         note(f"deliver to {side}{rank}: {type(msg).__name__} {msg.transfer_id}")
         if side == "P":
             if rank in self.dead:
@@ -308,9 +316,7 @@ class PushProtocol(RuleBasedStateMachine):
         (p, tid), d = data.draw(st.sampled_from(live))
         self.in_flight[(p, tid)].discard(d)
         self.landed.add((p, tid, d))
-        self.net.append(
-            ("D", d, m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp)))
-        )
+        self._send("D", d, m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp)))
         if not self.in_flight[(p, tid)]:
             del self.in_flight[(p, tid)]
             self._p_do(p, self.P[p].handle(ev.WriteDone(tid), self.now))
@@ -412,12 +418,10 @@ class PushProtocol(RuleBasedStateMachine):
                 for d in sorted(self.in_flight.get((p, tid), ())):
                     self.in_flight[(p, tid)].discard(d)
                     self.landed.add((p, tid, d))
-                    self.net.append(
-                        (
-                            "D",
-                            d,
-                            m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp)),
-                        )
+                    self._send(
+                        "D",
+                        d,
+                        m.encode(m.Completion(transfer_id=tid, p_rank=p, p_tp_size=self.p_tp)),
                     )
                 if not self.in_flight.get((p, tid)):
                     self.in_flight.pop((p, tid), None)

@@ -126,6 +126,20 @@ async def test_health_endpoint(cluster: MakeCluster) -> None:
     assert "no healthy prefill" not in r.json()["reason"]
 
 
+async def test_health_is_ok_while_degraded_and_says_so(cluster: MakeCluster) -> None:
+    c = await cluster(1, 1)
+    c.p[0].healthy = False
+    await c.check_health()
+    r = await c.client.get("/health")
+    assert r.status_code == 200, "D alone serves every request: the router is usable"
+    got = r.json()
+    assert got["status"] == "degraded" and got["prefill_eligible"] == 0
+    assert "no healthy prefill server" in got["reason"] and "D computes the prompt" in got["reason"]
+    c.p[0].healthy = True
+    await c.check_health()
+    assert (await c.client.get("/health")).json()["status"] == "ok"
+
+
 async def test_models_come_from_a_healthy_d(cluster: MakeCluster) -> None:
     def d0_down(_ps: list[MockBackend], ds: list[MockBackend]) -> None:
         ds[0].healthy = False

@@ -250,6 +250,7 @@ async def test_no_degraded_is_503_while_no_p_is_healthy(cluster: MakeCluster) ->
     r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 503 and "no healthy prefill" in r.json()["error"]["message"]
     assert c.d[0].requests == []
+    assert (await c.client.get("/health")).status_code == 503  # nothing can be served
 
 
 async def test_a_degraded_attempt_is_retried_on_the_other_d(cluster: MakeCluster) -> None:
