@@ -125,6 +125,12 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33+ asks before sleep mode: it remaps the KV memory NIXL keeps registered
+        # (and peers keep writing into). 0.32 never calls this.
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # GPU: block-outermost, one page per block across all layers (merged runs); CPU
         # attention takes only [blocks, heads, tokens, K|V] per layer. connector/kv_tensors.py.
