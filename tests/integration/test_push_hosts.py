@@ -10,15 +10,14 @@ the reason, where namespaces cannot be created (not root).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from test_push_loopback import check_bytes, run_transfer
+from test_push_loopback import check_bytes, cluster, run_transfer  # noqa: F401  (a fixture)
 
 from connector.core.state import ReceiverPolicy
-from connector.tools.loopback import RankProcess, RankSpec, expected_event, rank_main
-from connector.tools.netbed import Host, InHost, NetBed, Unavailable
-from connector.transport.ports import free_port
+from connector.tools.loopback import RankProcess, expected_event, rank_main
+from connector.tools.netbed import Host, InHost, NetBed
 
 pytestmark = [pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(120)]
 
@@ -26,31 +25,19 @@ MS = 1_000_000
 
 
 @pytest.fixture
-def bed() -> Iterator[NetBed]:
-    """Two hosts: 0 for P, 1 for D."""
-    try:
-        with NetBed(2) as made:
-            yield made
-    except Unavailable as exc:
-        pytest.skip(str(exc))
-    assert made.leftovers() == [], "the bed left namespaces or links behind"
+def bed(netbed: Callable[[int], NetBed]) -> NetBed:
+    return netbed(2)  # 0 for P, 1 for D
 
 
 @pytest.fixture
-def ranks(bed: NetBed) -> Iterator[Callable[..., RankProcess]]:
+def ranks(bed: NetBed, cluster: Callable[..., RankProcess]) -> Callable[..., RankProcess]:  # noqa: F811
     """``ranks(role, engine, host, rank=0, tp=1, **spec)``: a rank inside ``host``."""
-    started: list[RankProcess] = []
 
     def start(role: str, engine: str, host: Host, rank: int = 0, tp: int = 1, **kw: object):
-        spec = RankSpec(role, engine, rank, tp, free_port(), host=host.addr, **kw)  # type: ignore[arg-type]
-        proc = RankProcess(spec, target=InHost(host, rank_main, host.ucx_env()))
-        started.append(proc)
-        return proc
+        target = InHost(host, rank_main, host.ucx_env())
+        return cluster(role, engine, rank, tp, target=target, host=host.addr, **kw)
 
-    yield start
-    for proc in started:
-        proc.stop()
-    assert not any(p.proc.is_alive() for p in started)
+    return start
 
 
 def test_one_p_into_one_d_across_hosts(bed: NetBed, ranks: Callable[..., RankProcess]) -> None:
