@@ -9,6 +9,7 @@ until someone decides whether pushkv must override it.
 
 from __future__ import annotations
 
+import ast
 import inspect
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ from tests.vllm_api import (
 
 PushConnector = pytest.importorskip("connector.plugin").PushConnector
 
-ROOTS: dict[str, Path | None] = {"0.32": installed_root(), "0.33": fixture_dir("0.33.0")}
+FIXTURES = ("0.33.0", "0.34.0")
+ROOTS: dict[str, Path | None] = {"0.32": installed_root()} | {
+    v.rsplit(".", 1)[0]: fixture_dir(v) for v in FIXTURES
+}
 
 # Hooks whose default is right for pushkv, and why (by groups). A hook pushkv overrides
 # may be listed too (another branch may override a default that was fine).
@@ -53,6 +57,9 @@ DEFAULTS_THAT_FIT = {
     "get_kv_connector_stats", "build_kv_connector_stats", "build_prom_metrics",
     # 0.33: never called, since supports_sleep_mode is False (NIXL keeps the KV registered).
     "unregister_kv_caches", "restore_kv_caches",
+    # 0.34: no lookahead block hashing; a request may load asynchronously exactly when it
+    # has do_remote_prefill (the default), which is when pushkv's D loads asynchronously.
+    "supports_lookahead_block_hashes", "may_load_async",
 }  # fmt: skip
 
 # What pushkv imports from vLLM (connector/plugin.py), by module.
@@ -180,8 +187,29 @@ def test_pushkv_refuses_sleep_mode() -> None:
     assert PushConnector.supports_sleep_mode(None) is False
 
 
-def test_the_fixture_holds_exactly_the_files_read() -> None:
-    here = fixture_dir("0.33.0")
+def test_declares_how_it_reaches_the_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0.34 would otherwise allocate driver-mapped KV memory, which NIXL cannot register in
+    # one piece and legacy CUDA IPC cannot export. KVCacheAccess is 0.34's, from the fixture.
+    import enum
+    import types
+
+    import vllm.config.kv_transfer as installed
+
+    src = (fixture_dir("0.34.0") / "vllm/config/kv_transfer.py").read_text()
+    (node,) = [n for n in ast.parse(src).body if getattr(n, "name", "") == "KVCacheAccess"]
+    scope: dict[str, Any] = {"enum": enum}
+    exec(compile(ast.Module([node], []), "kv_transfer.py", "exec"), scope)
+    access = scope["KVCacheAccess"]
+    monkeypatch.setattr(installed, "KVCacheAccess", access, raising=False)
+    auto = PushConnector.kv_cache_access(types.SimpleNamespace(kv_connector_extra_config={}))
+    assert auto == access.REGISTERS | access.LEGACY_IPC
+    direct = types.SimpleNamespace(kv_connector_extra_config={"xfer_paths": "direct"})
+    assert PushConnector.kv_cache_access(direct) == access.REGISTERS
+
+
+@pytest.mark.parametrize("version", FIXTURES)
+def test_the_fixture_holds_exactly_the_files_read(version: str) -> None:
+    here = fixture_dir(version)
     got = {p.relative_to(here).as_posix() for p in here.rglob("*.py")}
     assert got == set(FILES)
 
