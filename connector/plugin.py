@@ -146,6 +146,25 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33+ asks before sleep mode: it remaps the KV memory NIXL keeps registered
+        # (and peers keep writing into). 0.32 never calls this.
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        # vLLM 0.34+ asks before it allocates the KV: NIXL registers it (one physical
+        # allocation per segment), and the GPU IPC path exports it through legacy CUDA IPC
+        # (torch's _share_cuda_), which driver-mapped (extensible) KV memory cannot do.
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        access = KVCacheAccess.REGISTERS
+        extra = kv_transfer_config.kv_connector_extra_config or {}
+        if extra.get("xfer_paths", "auto") != "direct":
+            access |= KVCacheAccess.LEGACY_IPC
+        return access
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # GPU: block-outermost, one page per block across all layers (merged runs); CPU
         # attention takes only [blocks, heads, tokens, K|V] per layer. connector/kv_tensors.py.

@@ -60,6 +60,9 @@ class RankSpec:
     dtype: str = "bfloat16"  # of the vLLM-shaped KV (bfloat16, float8_e4m3fn)
     xfer_paths: str = "auto"  # GPU: PushkvConfig.xfer_paths
     secret: bytes | None = None  # the P/D plane's shared secret (docs/security.md)
+    # The address the side channel and doorbell bind and peers dial: a netbed host's
+    # (connector.tools.netbed) when the rank runs in a namespace of its own.
+    host: str = "127.0.0.1"
 
     @property
     def agent(self) -> str:
@@ -67,7 +70,7 @@ class RankSpec:
 
     @property
     def addr(self) -> PeerAddr:
-        return PeerAddr(agent=self.agent, host="127.0.0.1", port=self.port)
+        return PeerAddr(agent=self.agent, host=self.host, port=self.port)
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -205,7 +208,9 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     kv = VllmKV(spec) if spec.kv_layout else None
     buf = spec.allocate() if kv is None else kv.raw
     layout = spec.layout(buf) if kv is None else kv.layout
-    transport = NixlTransport(spec.agent, listen_port=spec.port, secret=spec.secret)
+    transport = NixlTransport(
+        spec.agent, listen_host=spec.host, listen_port=spec.port, secret=spec.secret
+    )
     transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
     guard = Guard(spec.secret)
     paths: Any = None
@@ -224,7 +229,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             consumer=spec.role == "D",
             mode=spec.xfer_paths,  # type: ignore[arg-type]
         )
-    bell = Doorbell.open("127.0.0.1", spec.port, guard) if spec.doorbell else None
+    bell = Doorbell.open(spec.host, spec.port, guard) if spec.doorbell else None
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []

@@ -1,8 +1,8 @@
 """Fixtures for the integration tests: loopback-only UCX, free ports, child peers.
 
 Owns: the UCX environment defaults (set before any child starts), ``free_port``, and the
-``peers`` / ``local_transport`` factories, which stop everything they started (children
-by PID) at teardown. Must not import nixl at module level.
+``peers`` / ``local_transport`` / ``netbed`` factories, which stop or remove everything they
+started (children by PID) at teardown. Must not import nixl at module level.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from connector.tools.netbed import NetBed, Unavailable
 from connector.transport.ports import free_port
 
 # Loopback only; tcp must be present (UCX's "peer" error mode needs a transport that can
@@ -54,3 +55,24 @@ def local_transport() -> Iterator[Callable[..., object]]:
     yield make
     for t in made:
         t.close()
+
+
+@pytest.fixture
+def netbed() -> Iterator[Callable[[int], NetBed]]:
+    """Factory: ``netbed(n)`` -> ``n`` simulated hosts (``connector.tools.netbed``); skips
+    where namespaces cannot be made; removed at teardown, and checked to be gone."""
+    made: list[NetBed] = []
+
+    def make(n: int) -> NetBed:
+        bed = NetBed(n)
+        try:
+            bed.__enter__()
+        except Unavailable as exc:
+            pytest.skip(str(exc))
+        made.append(bed)
+        return bed
+
+    yield make
+    for bed in made:
+        bed.close()
+    assert not [name for bed in made for name in bed.leftovers()], "a bed left names behind"

@@ -28,8 +28,11 @@ MS = 1_000_000
 def cluster() -> Iterator[Callable[..., RankProcess]]:
     started: list[RankProcess] = []
 
-    def start(role: str, engine: str, rank: int = 0, tp: int = 1, **kw: object) -> RankProcess:
-        proc = RankProcess(RankSpec(role, engine, rank, tp, free_port(), **kw))  # type: ignore[arg-type]
+    def start(
+        role: str, engine: str, rank: int = 0, tp: int = 1, target: object = None, **kw: object
+    ) -> RankProcess:
+        """``target``: the rank's main, if not ``rank_main`` (test_push_hosts: in a netbed host)."""
+        proc = RankProcess(RankSpec(role, engine, rank, tp, free_port(), **kw), target=target)  # type: ignore[arg-type]
         started.append(proc)
         return proc
 
