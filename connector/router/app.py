@@ -248,11 +248,13 @@ class ProxyEndpoint:
 
     def _route(self, failed: dict[Role, set[int]]) -> tuple[Lease | None, Lease | None]:
         """P and D for the next attempt, avoiding the backends this request failed on. P is
-        None with D set for a degraded attempt: no P usable at all, degraded mode on."""
+        None with D set for a degraded attempt: no P usable (none healthy, or the only ones
+        failed this request before its first byte), degraded mode on: losing a P mid-flight
+        costs the request a local prefill on D, not an error."""
         backends = self.state.backends
         p = backends.acquire(Role.PREFILL, frozenset(failed[Role.PREFILL]))
-        if p is None and (failed[Role.PREFILL] or not self.state.config.degraded):
-            return None, None  # the only P(s) failed this request, or degraded mode is off
+        if p is None and not self.state.config.degraded:
+            return None, None
         d = backends.acquire(Role.DECODE, frozenset(failed[Role.DECODE]))
         if d is None and p is not None:
             p.release()

@@ -342,13 +342,12 @@ def test_kill_p_under_load_degrades_then_recovers_with_no_500(fx: Fx) -> None:
             w.result(timeout=HTTP_TIMEOUT_S)
     statuses = [status for _, status, _ in answers]
     print(f"\n[faults] {len(answers)} requests across the P crash: {Counter(statuses)}")
-    assert 500 not in statuses, f"a bare 500: {statuses}"
-    # The router's rule: a request whose only P fails under it is answered with that
-    # failure (a named 502 or 504), not retried on D alone, until a health check sees P
-    # down; from then on every request is served by D alone.
-    assert set(statuses) <= {200, 502, 504}, statuses
+    # A request whose only P fails under it before its first byte is retried on D alone
+    # (degraded), and once a health check sees P down every request goes to D alone: no
+    # request fails at any point.
+    assert set(statuses) == {200}, f"not every request succeeded: {Counter(statuses)}"
     late = [(status, took) for t0, status, took in answers if t0 > seen_down]
-    assert late and all(status == 200 for status, _ in late), late
+    assert late, "no request while P was down"
     assert all(took < ANSWER_BOUND_S for _, _, took in answers), "an answer took too long"
     assert degraded_count(fx) > before, "no request went through D alone"
     # Back to P/D: the next request is not degraded, and its output is still right.

@@ -106,7 +106,7 @@ async def test_pull_mode_p_answer_without_params_is_502(cluster: MakeCluster) ->
     def no_params(ps: list[MockBackend], _ds: list[MockBackend]) -> None:
         ps[0].pull_params = None
 
-    c = await cluster(mode=Mode.PULL, setup=no_params)
+    c = await cluster(mode=Mode.PULL, setup=no_params, degraded=False)
     r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 502 and "kv_transfer_params" in r.json()["error"]["message"]
     assert c.d[0].requests == []

@@ -93,7 +93,7 @@ async def test_unreachable_d_is_502_naming_it_and_marks_it_suspect(cluster: Make
 
 
 async def test_unreachable_p_is_502_and_cancels_d(cluster: MakeCluster) -> None:
-    c = await cluster()
+    c = await cluster(degraded=False)
     c.d[0].gate = asyncio.Event()
     await c.p_servers[0].stop()
     r = await c.client.post("/v1/completions", json=COMPLETION)
@@ -115,7 +115,7 @@ async def test_hung_legs_are_504_and_both_closed(cluster: MakeCluster) -> None:
 
 
 async def test_p_timeout_is_504(cluster: MakeCluster) -> None:
-    c = await cluster(mode=Mode.PULL, timeout_s=0.3)  # P alone on the clock
+    c = await cluster(mode=Mode.PULL, timeout_s=0.3, degraded=False)  # P alone on the clock
     c.p[0].gate = asyncio.Event()
     r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 504
@@ -169,7 +169,7 @@ async def test_p_error_status_is_passed_through_and_cancels_d(cluster: MakeClust
 
 
 async def test_p_5xx_while_d_works_cancels_d(cluster: MakeCluster) -> None:
-    c = await cluster()
+    c = await cluster(degraded=False)
     d = c.d[0]
     d.gate = asyncio.Event()
     c.p[0].gate = d.arrived
@@ -185,7 +185,7 @@ async def test_p_5xx_while_d_works_cancels_d(cluster: MakeCluster) -> None:
 async def test_the_only_p_stays_in_use_after_one_failed_leg(cluster: MakeCluster) -> None:
     # One dropped connection must not turn every request into a 503 until the next health
     # check: a suspect backend is used while no healthy one is left.
-    c = await cluster()
+    c = await cluster(degraded=False)
     d = c.d[0]
     d.gate = asyncio.Event()
     c.p[0].gate = d.arrived  # P answers its error while D is working
@@ -214,7 +214,7 @@ async def test_p_refusing_the_transfer_fails_the_request(cluster: MakeCluster) -
     def refuses(ps: list[MockBackend], _ds: list[MockBackend]) -> None:
         ps[0].pull_params = {"pushkv_error": "kv_transfer_params: bad transfer_id"}
 
-    c = await cluster(setup=refuses)
+    c = await cluster(setup=refuses, degraded=False)
     d = c.d[0]
     d.gate = asyncio.Event()  # D waits for KV that will never come
     c.p[0].gate = d.arrived

@@ -111,6 +111,35 @@ async def test_p_failing_before_the_first_byte_is_retried_on_the_other_p(
     assert s["prefill"][0]["health"] == "suspect"
 
 
+async def test_the_only_p_failing_before_the_first_byte_is_retried_on_d_alone(
+    cluster: MakeCluster,
+) -> None:
+    """Losing the only P mid-flight (before the client got a byte) costs a local prefill on
+    D, not an error: the next attempt is degraded, with the client's whole request."""
+    rec = Recorder()
+    c = await cluster(1, 1, tracer=rec.tracer)
+    d = c.d[0]
+    d.gate = asyncio.Event()  # D waits for KV while P fails
+    c.p[0].gate, c.p[0].fail_first_n = d.arrived, 1
+
+    async def open_once_cancelled() -> None:
+        await d.wait_for(1)
+        await d.requests[0].disconnected.wait()  # the failed attempt's D leg was closed
+        assert d.gate is not None
+        d.gate.set()
+
+    opener = asyncio.create_task(open_once_cancelled())
+    r = await c.client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    await within(opener, "D's first leg to be cancelled")
+    assert r.status_code == 200 and r.content == b"".join(CHUNKS)
+    assert len(c.p[0].requests) == 1 and len(d.requests) == 2
+    assert d.requests[1].body == {**COMPLETION, "stream": True}  # D computes the prompt
+    s = await stats(c)
+    assert s["requests"]["retried"] == {"total": 1, "prefill": 1}
+    assert s["requests"]["degraded"] == 1
+    assert rec.one(Span.REQUEST).attributes[Attr.DEGRADED.value] is True
+
+
 async def test_no_retry_after_the_first_byte(cluster: MakeCluster) -> None:
     def d0_crashes(_ps: list[MockBackend], ds: list[MockBackend]) -> None:
         ds[0].crash_mid_stream = True

@@ -83,7 +83,7 @@ async def test_usage_numbers_land_on_the_root(cluster: MakeCluster) -> None:
 
 async def test_failed_prefill_ends_leg_and_request_in_error(cluster: MakeCluster) -> None:
     rec = Recorder()
-    c = await cluster(tracer=rec.tracer)
+    c = await cluster(tracer=rec.tracer, degraded=False)
     d = c.d[0]
     d.gate = asyncio.Event()  # D waits for KV that never comes
     c.p[0].gate = d.arrived
