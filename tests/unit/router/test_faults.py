@@ -85,6 +85,14 @@ async def test_unreachable_d_is_retried_on_the_other_d(cluster: MakeCluster) -> 
     assert (await stats(c))["decode"][0]["health"] == "suspect"
 
 
+async def open_once_first_leg_closed(d: MockBackend) -> None:
+    """Let D answer once the failed attempt's D leg was closed (its KV never came)."""
+    await d.wait_for(1)
+    await d.requests[0].disconnected.wait()
+    assert d.gate is not None
+    d.gate.set()
+
+
 async def test_p_failing_before_the_first_byte_is_retried_on_the_other_p(
     cluster: MakeCluster,
 ) -> None:
@@ -92,14 +100,7 @@ async def test_p_failing_before_the_first_byte_is_retried_on_the_other_p(
     d = c.d[0]
     d.gate = asyncio.Event()  # D waits for KV while p0 fails
     c.p[0].gate, c.p[0].fail_first_n = d.arrived, 1
-
-    async def open_once_cancelled() -> None:
-        await d.wait_for(1)
-        await d.requests[0].disconnected.wait()  # the failed attempt's D leg was closed
-        assert d.gate is not None
-        d.gate.set()
-
-    opener = asyncio.create_task(open_once_cancelled())
+    opener = asyncio.create_task(open_once_first_leg_closed(d))
     r = await c.client.post("/v1/completions", json={**COMPLETION, "stream": True})
     await within(opener, "D's first leg to be cancelled")
     assert r.status_code == 200 and r.content == b"".join(CHUNKS)
@@ -121,14 +122,7 @@ async def test_the_only_p_failing_before_the_first_byte_is_retried_on_d_alone(
     d = c.d[0]
     d.gate = asyncio.Event()  # D waits for KV while P fails
     c.p[0].gate, c.p[0].fail_first_n = d.arrived, 1
-
-    async def open_once_cancelled() -> None:
-        await d.wait_for(1)
-        await d.requests[0].disconnected.wait()  # the failed attempt's D leg was closed
-        assert d.gate is not None
-        d.gate.set()
-
-    opener = asyncio.create_task(open_once_cancelled())
+    opener = asyncio.create_task(open_once_first_leg_closed(d))
     r = await c.client.post("/v1/completions", json={**COMPLETION, "stream": True})
     await within(opener, "D's first leg to be cancelled")
     assert r.status_code == 200 and r.content == b"".join(CHUNKS)
