@@ -10,7 +10,9 @@ the step's CUDA event fired (an early read would carry the previous bytes).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,22 +29,40 @@ SHAPE = dict(num_layers=4, num_blocks=96, block_size=16, num_kv_heads=4, token_b
 
 
 @pytest.fixture
-def pair() -> Iterator[Callable[..., tuple[RankProcess, RankProcess]]]:
-    started: list[RankProcess] = []
-
-    def start(device: str, d_block_size: int = 16, **kw: object) -> tuple[RankProcess, RankProcess]:
-        shape = {**SHAPE, **kw}
-        p = RankProcess(RankSpec("P", "prefill", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
-        started.append(p)
-        shape["block_size"] = d_block_size
-        d = RankProcess(RankSpec("D", "decode", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
-        started.append(d)
-        return p, d
-
-    yield start
-    for proc in started:
+def started() -> Iterator[list[RankProcess]]:
+    """Every rank process a test starts; all stopped by PID at teardown."""
+    procs: list[RankProcess] = []
+    yield procs
+    for proc in procs:
         proc.stop()
-    assert not any(p.proc.is_alive() for p in started)
+    assert not any(p.proc.is_alive() for p in procs)
+
+
+def two_ranks(
+    started: list[RankProcess],
+    kind: type[RankProcess],
+    device: str,
+    d_block_size: int = 16,
+    **kw: object,
+) -> tuple[Any, Any]:
+    """A P rank and a D rank of ``kind`` (loopback ranks, or the worker role)."""
+    shape = {**SHAPE, **kw}
+    p = kind(RankSpec("P", "prefill", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
+    started.append(p)
+    shape["block_size"] = d_block_size
+    d = kind(RankSpec("D", "decode", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
+    started.append(d)
+    return p, d
+
+
+@pytest.fixture
+def pair(started: list[RankProcess]) -> Callable[..., tuple[RankProcess, RankProcess]]:
+    return functools.partial(two_ranks, started, RankProcess)
+
+
+@pytest.fixture
+def workers(started: list[RankProcess]) -> Callable[..., tuple[WorkerRank, WorkerRank]]:
+    return functools.partial(two_ranks, started, WorkerRank)
 
 
 def push(
@@ -110,24 +130,6 @@ def test_gpu_ipc_between_block_sizes(pair, kv_layout: str, d_block_size: int) ->
     d_blocks = tuple(range(95, 95 - 2 * (n // d_block_size), -2))  # scattered
     _, report = push(p, d, "bs", n, d_blocks, seed=11)
     assert report.path == "ipc", report.path_reason
-
-
-@pytest.fixture
-def workers() -> Iterator[Callable[..., tuple[WorkerRank, WorkerRank]]]:
-    started: list[WorkerRank] = []
-
-    def start(device: str, **kw: object) -> tuple[WorkerRank, WorkerRank]:
-        shape = {**SHAPE, **kw}
-        p = WorkerRank(RankSpec("P", "prefill", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
-        started.append(p)
-        d = WorkerRank(RankSpec("D", "decode", 0, 1, free_port(), device=device, **shape))  # type: ignore[arg-type]
-        started.append(d)
-        return p, d
-
-    yield start
-    for proc in started:
-        proc.stop()
-    assert not any(p.proc.is_alive() for p in started)
 
 
 @pytest.mark.parametrize(
