@@ -158,6 +158,8 @@ class IpcOffer(_Msg, tag="ipc_offer", frozen=True):
     device_uuid: Annotated[str, msgspec.Meta(max_length=64)]
     # connector.transfer.gpu.ipc.IpcExport as msgpack: opaque here, decoded where torch is.
     export: Annotated[bytes, msgspec.Meta(max_length=MAX_IPC_EXPORT_BYTES)]
+    # D's pid namespace ("pid:[inode]"): where it is P's too, P can see D's process die.
+    pid_ns: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 Message = Register | Completion | Fail | Cancel | Heartbeat | IpcOffer

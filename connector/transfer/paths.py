@@ -50,6 +50,10 @@ class Paths(Protocol):
         """``agent`` is gone: drop its mapping."""
         ...
 
+    def poll(self, now_ns: int) -> None:
+        """Housekeeping on the transfer thread's clock (drop mappings of dead peers)."""
+        ...
+
     def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
         """The path for one target (``heads``: the global KV heads this P rank writes to it),
         decided without planning descriptors (that costs ~2 ms at 16k tokens,

@@ -181,6 +181,8 @@ class Sender:
             self._post(self._deferred.pop(tid), now_ns)
         for tid in list(self._writes):
             self._poll_write(tid, now_ns)
+        if self.paths is not None:
+            self.paths.poll(now_ns)
         nxt = self.table.next_deadline_ns()
         if nxt is not None and nxt <= now_ns:
             self._run(self.table.tick(now_ns), now_ns)

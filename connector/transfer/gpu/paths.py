@@ -40,6 +40,7 @@ from connector.transport.base import Transport
 logger = logging.getLogger(__name__)
 
 Mode = Literal["auto", "direct", "ipc"]
+MAX_MAPPED = 16  # D processes whose KV one P rank keeps mapped at once
 
 
 def node_identity() -> str:
@@ -66,6 +67,23 @@ def _local_index(uuid: str) -> int | None:
     return None
 
 
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
 def make_offer(rows: RowTable, me: m.PeerAddr, rank: int) -> m.IpcOffer:
     """D: the offer its Receiver sends each P rank before the first registration."""
     return m.IpcOffer(
@@ -76,6 +94,7 @@ def make_offer(rows: RowTable, me: m.PeerAddr, rank: int) -> m.IpcOffer:
         pid=os.getpid(),
         device_uuid=device_uuid(rows.device),
         export=msgspec.msgpack.encode(export_rows(rows)),
+        pid_ns=pid_namespace(),
     )
 
 
@@ -136,6 +155,7 @@ def _columns(rows: RowTable, cols: tuple[int, int]) -> RowTable:
 class _Mapped:
     rows: RowTable
     locality: Locality
+    pid: int | None  # D's process, where P can see it (the same pid namespace)
 
 
 class IpcWrite:
@@ -173,7 +193,8 @@ class GpuPaths:
             raise LayoutError("GpuPaths: one row table region per layout region")
         self._t, self.layout, self.rows, self.mode = transport, layout, rows, mode
         self.model, self.backend = model or PathModel(), backend
-        self._node, self._pid = node_identity(), os.getpid()
+        self._node, self._pid, self._pid_ns = node_identity(), os.getpid(), pid_namespace()
+        self._next_check_ns = 0
         self._uuid = device_uuid(rows.device)
         self._lane = Lane(rows.device)
         self._mapped: dict[str, _Mapped] = {}
@@ -212,7 +233,11 @@ class GpuPaths:
         except (msgspec.DecodeError, msgspec.ValidationError, LayoutError, RuntimeError) as exc:
             return f"cannot map: {exc}"
         same = offer.device_uuid == self._uuid
-        self._mapped[agent] = _Mapped(rows, Locality.SAME_GPU if same else Locality.SAME_NODE)
+        pid = offer.pid if offer.pid_ns and offer.pid_ns == self._pid_ns else None
+        self._mapped.pop(agent, None)
+        self._mapped[agent] = _Mapped(rows, Locality.SAME_GPU if same else Locality.SAME_NODE, pid)
+        while len(self._mapped) > MAX_MAPPED:  # D engines come and go: drop the oldest
+            self.forget(next(iter(self._mapped)))
         self.refused.pop(agent, None)
         return ""
 
@@ -221,6 +246,18 @@ class GpuPaths:
 
     def forget(self, agent: str) -> None:
         self._mapped.pop(agent, None)
+
+    def poll(self, now_ns: int) -> None:
+        """Drop the mapping of a D whose process has died: an open IPC mapping keeps its KV
+        memory allocated on the GPU, which a restarted D would need. Checked every second,
+        where P sees D's process; elsewhere the next failed send to D drops it."""
+        if now_ns < self._next_check_ns:
+            return
+        self._next_check_ns = now_ns + 1_000_000_000
+        for agent, mapped in list(self._mapped.items()):
+            if mapped.pid is not None and not _alive(mapped.pid):
+                logger.info("D %s (pid %d) is gone: its KV mapping is released", agent, mapped.pid)
+                self.forget(agent)
 
     # ------------------------------------------------------------------ per target
     def _plan(

@@ -276,3 +276,23 @@ def test_the_direct_estimate_counts_what_the_planner_posts(layout: str, per_run:
         lay, (tuple(src),), lay, (tuple(dst),), first_token=0, num_tokens=5 * 4, heads=(0, H)
     )
     assert pieces.count == 2 * per_run
+
+
+def test_the_mapping_of_a_dead_d_is_released() -> None:
+    """An open IPC mapping keeps D's KV allocated: P drops it once D's process is gone."""
+    import subprocess
+    import sys
+
+    pair = GpuPair("ipc")
+    offer = pair.receiver._offer
+    assert offer is not None and offer.pid_ns  # Linux: P and D share the pid namespace here
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that existed and is gone
+    dead = m.IpcOffer(**{**_fields(offer), "pid": child.pid})
+    pair.paths.offered(D_ADDR.agent, dead)
+    assert D_ADDR.agent in pair.paths._mapped
+    pair.paths.poll(now_ns=10**12)
+    assert D_ADDR.agent not in pair.paths._mapped
+    pair.paths.offered(D_ADDR.agent, offer)  # this process: alive, kept
+    pair.paths.poll(now_ns=10**13)
+    assert D_ADDR.agent in pair.paths._mapped
