@@ -341,7 +341,8 @@ class Sender:
             try:
                 w.report.posted_ns = w.report.posted_ns or time.time_ns()
                 w.others.append(self.paths.start(choice, reg, src_blocks, heads, notif))
-            except (TransportError, LayoutError) as exc:
+            except Exception as exc:  # a device error (CUDA, Triton) too: fail now, not at
+                # the WRITE deadline
                 self._note_failure(w, m.FailReason.POST_ERROR, TransportError(str(exc)))
             return
         notif = self._completion(w.report.transfer_id, pieces.bytes_total, pieces.count)
@@ -429,6 +430,9 @@ class Sender:
         except TransportError as exc:
             self._lost(pw.peer, exc)
             self._note_failure(w, m.FailReason.WRITE_ERROR, exc)
+            return True
+        except Exception as exc:  # a device error on the copy's event: fail it now
+            self._note_failure(w, m.FailReason.WRITE_ERROR, TransportError(str(exc)))
             return True
         w.report.stage_ms.update(pw.stage_ms())
         if not w.aborting:
