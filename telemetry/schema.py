@@ -120,6 +120,7 @@ class Attr(str, Enum):
     ATTEMPTS = "pushkv.router.attempts"  # on `request`: attempts it took
     FAILED_ROLE = "pushkv.router.failed_role"  # "prefill" | "decode": whose leg failed
     DEGRADED = "pushkv.router.degraded"  # on `request`: served by D alone (no P usable)
+    LOOP_LAG_MS = "pushkv.router.loop_lag_ms"  # on `request`: worst event-loop lag while open
     REASON = "pushkv.reason"  # why a span ended in error
     HOOK = "pushkv.hook"  # on `hook_failed`: the connector hook that raised
     FAULT = "pushkv.fault"  # an injected fault (test-only, connector/transport/faulty.py)
@@ -223,6 +224,7 @@ class Metric(str, Enum):
     ROUTER_OVERHEAD = "pushkv_router_overhead_seconds"
     ROUTER_BACKEND_HEALTHY = "pushkv_router_backend_healthy"
     ROUTER_OUTSTANDING = "pushkv_router_backend_outstanding_legs"
+    ROUTER_LOOP_LAG = "pushkv_router_loop_lag_seconds"
 
 
 class MetricLabel(str, Enum):
@@ -294,4 +296,5 @@ METRICS: Final[dict[Metric, tuple[str, tuple[MetricLabel, ...], str]]] = {
     Metric.ROUTER_OVERHEAD: ("histogram", (_L.MODE,), "Request in to its first leg sent."),
     Metric.ROUTER_BACKEND_HEALTHY: ("gauge", (_L.ROLE, _L.BACKEND), "1 if healthy, else 0."),
     Metric.ROUTER_OUTSTANDING: ("gauge", (_L.ROLE, _L.BACKEND), "Legs in flight per backend."),
+    Metric.ROUTER_LOOP_LAG: ("gauge", (), "Worst event-loop lag of the last second."),
 }

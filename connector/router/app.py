@@ -35,6 +35,7 @@ from connector.router import legs
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Lease, Role
 from connector.router.config import RouterConfig, parse_args
+from connector.router.looplag import LoopLag
 from connector.router.metrics import RouterMetrics
 from connector.router.relay import SSE_DONE, Dispatch, Retry, from_exception, send_error
 from connector.router.tracing import RequestTrace
@@ -59,8 +60,10 @@ class RouterState:
         self.router_errors = 0  # requests answered 502 for an exception of the router's own
         self.unauthorized = 0  # requests answered 401: no or a wrong API key
         self.metrics = RouterMetrics(self)
+        self.loop_lag = LoopLag()
 
     async def start(self) -> None:
+        self.loop_lag.start()
         await self.backends.start()
         c = self.config
         logger.info(
@@ -79,6 +82,7 @@ class RouterState:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.backends.stop()
+        await self.loop_lag.stop()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -161,6 +165,7 @@ class ProxyEndpoint:
             mode=state.config.mode.value,
             endpoint=self.endpoint.name.lower(),
             metrics=state.metrics,
+            loop_lag=state.loop_lag,
         )
         exchange = _Exchange(send, state, trace)
         error: str | None = None

@@ -10,6 +10,7 @@ state when scraped, so serving pays nothing for them. Names, kinds and labels co
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,11 @@ class _StateCollector(Collector):
             outstanding.add_metric([b.role.value, b.url], b.load.outstanding)
         yield healthy
         yield outstanding
+        lag = GaugeMetricFamily(
+            Metric.ROUTER_LOOP_LAG.value, _help(Metric.ROUTER_LOOP_LAG), labels=[]
+        )
+        lag.add_metric([], state.loop_lag.worst_since(time.monotonic_ns() - 1_000_000_000) / 1e9)
+        yield lag
 
 
 class RouterMetrics:

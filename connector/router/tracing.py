@@ -39,9 +39,14 @@ class RequestTrace:
         mode: str,
         endpoint: str,
         metrics: Any = None,
+        loop_lag: Any = None,
     ) -> None:
+        """``loop_lag``: the router's ``connector.router.looplag.LoopLag``; the root span
+        carries the worst event-loop lag seen while the request was open."""
         self._tracer = tracer
         self._metrics = metrics
+        self._loop_lag = loop_lag
+        self._start_mono_ns = time.monotonic_ns()
         self._fallback = legs.new_traceparent(incoming)
         self._legs: dict[str, tuple[str, int]] = {}  # open legs: role -> (url, sent ns)
         self.first_leg_ns = 0
@@ -273,6 +278,8 @@ class RequestTrace:
             )
         if self.prompt_tokens is not None:
             attrs[Attr.INPUT_TOKENS.value] = self.prompt_tokens
+        if self._loop_lag is not None:
+            attrs[Attr.LOOP_LAG_MS.value] = self._loop_lag.worst_since(self._start_mono_ns) / 1e6
         if tokens:
             attrs[Attr.OUTPUT_TOKENS.value] = tokens
         if error is None and status is not None and status >= 400:
