@@ -8,7 +8,8 @@ Client-observed TTFT is the router ``request`` span's start -> its ``first_chunk
 processes stamp unix nanos of one host clock. Push mode, boundaries in order (each segment runs
 from the previous boundary to its own, so the segments telescope to exactly end - start):
 
-    request.start
+    request.start                         (the HTTP server's stamp when it began parsing)
+    -> ingress.end                        router ingress (queued on the router's loop)
     -> prefill_leg.start                  router overhead
     -> P prefill's scheduled event         P queue
     -> prefill.end                        P prefill (prompt KV complete)
@@ -21,9 +22,11 @@ from the previous boundary to its own, so the segments telescope to exactly end 
 
 With several P TP ranks the critical rank is the one whose ``write`` ends last; its own
 prefill / rendezvous / descriptor spans give the P boundaries. Router-only modes (``pull``,
-``vllm-push``) have only router spans: router overhead / prefill leg / decode leg to first
-byte / stream back. A request that never produced a first token ends at the request span's
-end; ``ttft_ns`` is then None and the segments sum to the time until it ended.
+``vllm-push``) have only router spans: router ingress / router overhead / prefill leg /
+decode leg to first byte / stream back. A trace without an ``ingress`` span (written before
+the router stamped arrivals) has a zero-length ingress. A request that never produced a
+first token ends at the request span's end; ``ttft_ns`` is then None and the segments sum
+to the time until it ended.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ PUSH_MODE = RouterMode.PUSH.value
 class Seg(str, Enum):
     """Segment names (labels for people; the spans behind them come from the schema)."""
 
+    INGRESS = "router ingress"
     ROUTER = "router overhead"
     P_QUEUE = "P queue"
     P_PREFILL = "P prefill"
@@ -56,6 +60,7 @@ class Seg(str, Enum):
 
 
 PUSH_SEGMENTS: tuple[Seg, ...] = (
+    Seg.INGRESS,
     Seg.ROUTER,
     Seg.P_QUEUE,
     Seg.P_PREFILL,
@@ -66,7 +71,13 @@ PUSH_SEGMENTS: tuple[Seg, ...] = (
     Seg.D_STEP,
     Seg.STREAM_BACK,
 )
-ROUTER_SEGMENTS: tuple[Seg, ...] = (Seg.ROUTER, Seg.PREFILL_LEG, Seg.DECODE_LEG, Seg.STREAM_BACK)
+ROUTER_SEGMENTS: tuple[Seg, ...] = (
+    Seg.INGRESS,
+    Seg.ROUTER,
+    Seg.PREFILL_LEG,
+    Seg.DECODE_LEG,
+    Seg.STREAM_BACK,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +331,13 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
         ends_span=first_chunk is None,
     )
     start = Boundary("request.start", req.start_ns, req, False)
-    segments = _segments(names, start, [*bounds, end], anomalies)
+    ingress = _single(trace, Span.INGRESS, anomalies)
+    handler = (
+        Boundary("ingress.end", ingress.end_ns, ingress)
+        if ingress is not None
+        else Boundary("ingress.end", req.start_ns, req, False)
+    )
+    segments = _segments(names, start, [handler, *bounds, end], anomalies)
     rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)  # the critical rank's
     first = rdv.attr(Attr.FIRST_ARRIVED.value) if rdv else None
     return CriticalPath(

@@ -12,8 +12,10 @@ counts go into attributes.
 The tree of one push request (process that emits it in brackets; every P span is per P TP
 rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
 
-    request [router] (SERVER; event first_chunk = client-observed TTFT end)
-      route [router]                     request in -> both legs about to be sent
+    request [router] (SERVER; starts when the HTTP server began parsing the request;
+                      event first_chunk = client-observed TTFT end)
+      ingress [router]                   request in -> its handler runs (waits on the loop)
+      route [router]                     handler -> both legs about to be sent
       prefill_leg [router] (CLIENT)      P leg sent -> P's response read
         prefill [P]                      engine arrival -> prompt KV complete on this rank
                                          (event scheduled: first scheduled by P's engine)
@@ -52,7 +54,8 @@ class Span(str, Enum):
     """Span names. The value is what exporters and the dashboard see."""
 
     # router
-    REQUEST = "pushkv.request"  # root: client request in -> last byte out
+    REQUEST = "pushkv.request"  # root: client request in (server's stamp) -> last byte out
+    INGRESS = "pushkv.ingress"  # the server's stamp -> the handler runs (queued on the loop)
     ROUTE = "pushkv.route"  # choosing D (and P) before prefill
     PREFILL_LEG = "pushkv.prefill_leg"  # router -> P -> router
     DECODE_LEG = "pushkv.decode_leg"  # router -> D -> stream back
@@ -121,6 +124,9 @@ class Attr(str, Enum):
     FAILED_ROLE = "pushkv.router.failed_role"  # "prefill" | "decode": whose leg failed
     DEGRADED = "pushkv.router.degraded"  # on `request`: served by D alone (no P usable)
     LOOP_LAG_MS = "pushkv.router.loop_lag_ms"  # on `request`: worst event-loop lag while open
+    # on `request`: where its start comes from: "server" (the HTTP server's stamp when it began
+    # parsing the request) or "handler" (no stamp: the handler's start)
+    ARRIVAL = "pushkv.router.arrival"
     REASON = "pushkv.reason"  # why a span ended in error
     HOOK = "pushkv.hook"  # on `hook_failed`: the connector hook that raised
     FAULT = "pushkv.fault"  # an injected fault (test-only, connector/transport/faulty.py)

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from connector.router import legs
+from connector.router import arrival, legs
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Lease, Role
 from connector.router.config import RouterConfig, parse_args
@@ -166,6 +166,7 @@ class ProxyEndpoint:
             endpoint=self.endpoint.name.lower(),
             metrics=state.metrics,
             loop_lag=state.loop_lag,
+            arrival_ns=arrival.arrival_ns(scope),
         )
         exchange = _Exchange(send, state, trace)
         error: str | None = None
@@ -448,5 +449,6 @@ def main(argv: list[str]) -> int:
         access_log=False,
         log_level=config.log_level,
         lifespan="on",
+        http=arrival.protocol(),
     )
     return 0

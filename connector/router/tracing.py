@@ -40,13 +40,19 @@ class RequestTrace:
         endpoint: str,
         metrics: Any = None,
         loop_lag: Any = None,
+        arrival_ns: int | None = None,
     ) -> None:
         """``loop_lag``: the router's ``connector.router.looplag.LoopLag``; the root span
-        carries the worst event-loop lag seen while the request was open."""
+        carries the worst event-loop lag seen while the request was open. ``arrival_ns``:
+        when the HTTP server began parsing the request (``connector.router.arrival``); the
+        root span starts there and an ``ingress`` span covers the wait for this handler."""
         self._tracer = tracer
         self._metrics = metrics
         self._loop_lag = loop_lag
-        self._start_mono_ns = time.monotonic_ns()
+        now_ns = time.time_ns()
+        self._handler_ns = now_ns
+        self._start_ns = min(arrival_ns, now_ns) if arrival_ns else now_ns
+        self._start_mono_ns = time.monotonic_ns() - (now_ns - self._start_ns)
         self._fallback = legs.new_traceparent(incoming)
         self._legs: dict[str, tuple[str, int]] = {}  # open legs: role -> (url, sent ns)
         self.first_leg_ns = 0
@@ -63,15 +69,19 @@ class RequestTrace:
         self.token_events = 0
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
-        self._start_ns = time.time_ns()
         if tracer is not None:
             self._root = tracer.start_span(
                 Span.REQUEST.value,
                 context=parent_context(incoming),
                 kind=SpanKind.SERVER,
                 start_time=self._start_ns,
-                attributes={Attr.MODE.value: mode, Attr.ENDPOINT.value: endpoint},
+                attributes={
+                    Attr.MODE.value: mode,
+                    Attr.ENDPOINT.value: endpoint,
+                    Attr.ARRIVAL.value: "server" if arrival_ns else "handler",
+                },
             )
+            emit(tracer, Span.INGRESS, parent=self._ctx(), start_ns=self._start_ns, end_ns=now_ns)
         # W3C Trace Context Level 2: the trace and the router's span the client can quote.
         self.traceresponse = (
             traceparent_of(self._root) if self._root is not None else None
@@ -99,9 +109,9 @@ class RequestTrace:
 
     def server_timing(self, now_ns: int) -> str:
         """``Server-Timing`` of an answer sent now: the segments the router saw (ms)."""
-        parts = []
+        parts = [("ingress", self._handler_ns - self._start_ns)]
         if self.first_leg_ns:
-            parts.append(("router", self.first_leg_ns - self._start_ns))
+            parts.append(("router", self.first_leg_ns - self._handler_ns))
         if self.prefill_ns is not None:
             parts.append(("prefill", self.prefill_ns[1] - self.prefill_ns[0]))
         if self.decode_byte_ns is not None:

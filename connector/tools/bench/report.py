@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from connector.tools.bench.fidelity import Fidelity, describe
+
 # (key in vllm bench serve's JSON, column title); the first four are latencies in ms.
 METRICS: tuple[tuple[str, str], ...] = (
     ("median_ttft_ms", "median TTFT ms"),
@@ -62,6 +64,10 @@ class LevelResult:
     # vLLM processes not of this stack running when the run started (they share the cores).
     foreign_vllm_pids: list[int] = field(default_factory=list)
     result_file: str | None = None
+    request_id_prefix: str | None = None
+    # Whether the traces account for the client's TTFTs (``bench.fidelity.Fidelity.to_json``);
+    # empty when the stack wrote no router spans.
+    fidelity: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_bench_json(
@@ -123,9 +129,22 @@ def median_results(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]
                 completed=sum(r.completed for r in good),
                 failed=sum(r.failed for r in good),
                 decode_prompt_tokens=_summed(r.decode_prompt_tokens for r in good),
+                fidelity=Fidelity.pooled(r.fidelity for r in good).to_json()
+                if any(r.fidelity for r in good)
+                else {},
             )
         )
     return out
+
+
+def fidelity_lines(results: Sequence[LevelResult]) -> list[str]:
+    """One line per (configuration, concurrency) whose traces were checked against the
+    client's TTFTs (issue #18: >= 95 % within 2 % + 2 ms)."""
+    return [
+        f"{r.config} c={r.concurrency}: {describe(r.fidelity)}"
+        for r in results
+        if r.fidelity.get("requests")
+    ]
 
 
 def _summed(dicts: Iterable[dict[str, float]]) -> dict[str, float]:
@@ -368,6 +387,12 @@ def markdown_report(results: Sequence[LevelResult], preamble: str = "") -> str:
             f"{TRACING_OFF_CONFIG}; budget {TRACING_BUDGET:.0%} on throughput and "
             "median TTFT)",
             *(f"- {line}" for line in tracing),
+        ]
+    if fidelity := fidelity_lines(results):
+        parts += [
+            "",
+            "## Trace fidelity (the trace's TTFT against the client's, per request)",
+            *(f"- {line}" for line in fidelity),
         ]
     return "\n".join(parts) + "\n"
 

@@ -40,6 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from connector.tools.bench import fidelity
 from connector.tools.bench.report import LevelResult
 from connector.tools.bench.run_folder import (
     arrivals,
@@ -70,6 +71,7 @@ from connector.tools.bench.vllm_bench import (
 )
 from connector.tools.stack import ServerError, group_pids
 from connector.tools.tinymodel import make_tiny_model
+from telemetry.traces import RunFolderError, read_run
 
 # Must equal connector.tools.bench.vllm_noprog.PATCHED_MARKER (not imported here: it imports vLLM).
 NOPROG_MARKER = "NIXL agents default to enable_prog_thread=False"
@@ -185,6 +187,7 @@ def run_config(
         return run
     finally:
         _stop(config, stack, log)
+        _check_fidelity(run.results, cfg_dir, log)  # after the stop: every span is flushed
         run.log_signals = log_signals(stack)
         if any(run.log_signals.values()):
             log(f"[{config.name}] log signals: {run.log_signals}")
@@ -194,6 +197,21 @@ def run_config(
                     f" [P: {run.log_signals['prefill']['lease_expired']} transfer(s) "
                     f"never started before P's lease expired]"
                 )
+
+
+def _check_fidelity(results: Sequence[LevelResult], cfg_dir: Path, log: Log) -> None:
+    """Each level's client TTFTs against the router's traces (issue #18's criterion)."""
+    try:
+        traces = read_run(cfg_dir).traces
+    except RunFolderError:
+        return  # tracing off: nothing to check
+    for r in results:
+        if not (r.ok and r.result_file and r.request_id_prefix):
+            continue
+        bench = json.loads((cfg_dir.parent / r.result_file).read_text())
+        fid = fidelity.check(bench, r.request_id_prefix, traces)
+        r.fidelity = fid.to_json()
+        log(f"[{r.config}] c={r.concurrency} trace fidelity: {fid.summary()}")
 
 
 def _fail_all(
@@ -242,9 +260,17 @@ def _run_levels(
         foreign = _foreign_vllm(stack)
         before = decode_prompt_tokens(stack.decode.url)
         t0 = time.monotonic()
+        prefix = f"bench-{config.name}-c{conc}-"
         failure = run_bench_serve(
             bench_command(
-                stack.url, model, workload, conc, prompts, workload.level_seed(index), result_file
+                stack.url,
+                model,
+                workload,
+                conc,
+                prompts,
+                workload.level_seed(index),
+                result_file,
+                request_id_prefix=prefix,
             ),
             cfg_dir / f"bench-c{conc}.log",
             workload.limit_s(prompts),
@@ -269,6 +295,7 @@ def _run_levels(
         )
         after = decode_prompt_tokens(stack.decode.url)
         result.decode_prompt_tokens = {k: after[k] - before.get(k, 0.0) for k in after}
+        result.request_id_prefix = prefix
         result.foreign_vllm_pids = foreign
         results.append(result)
         m = result.metrics

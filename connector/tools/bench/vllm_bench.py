@@ -67,8 +67,11 @@ def bench_command(
     num_prompts: int,
     seed: int,
     result: Path | None,
+    request_id_prefix: str | None = None,
 ) -> list[str]:
-    """The ``vllm bench serve`` command line; ``result`` None: do not save (warm-up)."""
+    """The ``vllm bench serve`` command line; ``result`` None: do not save (warm-up).
+    ``request_id_prefix``: the client sends ``<prefix><index>`` as each request's
+    X-Request-Id, so its TTFTs can be matched to the traces (``bench.fidelity``)."""
     cmd = [
         *vllm_command(),
         "bench",
@@ -104,6 +107,8 @@ def bench_command(
     ]
     if workload.request_rate is not None and result is not None:  # the warm-up: closed loop
         cmd += ["--request-rate", f"{workload.request_rate:g}"]
+    if request_id_prefix is not None:
+        cmd += ["--request-id-prefix", request_id_prefix]
     if result is not None:
         cmd += [
             "--save-result",

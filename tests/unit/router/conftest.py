@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
+from connector.router import arrival
 from connector.router.app import RouterState, create_app
 from connector.router.config import Mode, RouterConfig
 from tests.unit.router.mock_backend import MockBackend
@@ -126,7 +127,7 @@ async def cluster() -> AsyncIterator[MakeCluster]:
                 **config,
             )
             app = create_app(cfg, tracer)
-            router = await InLoopServer(app).start()
+            router = await InLoopServer(app, http=arrival.protocol()).start()
             stack.push_async_callback(router.stop)
             # Runs first at teardown: no handler is left waiting on a gate.
             stack.callback(release_all)

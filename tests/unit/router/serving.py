@@ -34,10 +34,15 @@ async def within(aw: Awaitable[T], what: str, timeout_s: float = WAIT_S) -> T:
 
 
 class InLoopServer(uvicorn.Server):
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: Any = "auto") -> None:
         super().__init__(
             uvicorn.Config(
-                app, lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=30
+                app,
+                lifespan="on",
+                log_level="warning",
+                access_log=False,
+                timeout_keep_alive=30,
+                http=http,
             )
         )
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the

@@ -101,7 +101,7 @@ async def test_whole_answers_carry_server_timing(cluster: MakeCluster) -> None:
         (name.strip(), float(dur.removeprefix("dur=")))
         for name, dur in (part.split(";") for part in r.headers["server-timing"].split(","))
     )
-    assert {"router", "decode", "total"} <= set(timing)
+    assert {"ingress", "router", "decode", "total"} <= set(timing)
     assert all(v >= 0 for v in timing.values())
     assert timing["total"] >= max(v for k, v in timing.items() if k != "total")
     s = await c.client.post("/v1/completions", json={**BODY, "stream": True})

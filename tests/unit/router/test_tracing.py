@@ -33,15 +33,26 @@ async def test_push_request_tree_and_leg_parents(cluster: MakeCluster) -> None:
     assert r.status_code == 200, r.text
     assert rec.names() == sorted(
         s.value
-        for s in (Span.REQUEST, Span.ROUTE, Span.PREFILL_LEG, Span.DECODE_LEG, Span.FIRST_BYTE)
+        for s in (
+            Span.REQUEST,
+            Span.INGRESS,
+            Span.ROUTE,
+            Span.PREFILL_LEG,
+            Span.DECODE_LEG,
+            Span.FIRST_BYTE,
+        )
     )
     root = rec.one(Span.REQUEST)
     assert root.kind is SpanKind.SERVER and root.context.trace_id == int("ab" * 16, 16)
     assert root.parent is not None and root.parent.span_id == int("cd" * 8, 16)  # the client's
     p_leg, d_leg = rec.one(Span.PREFILL_LEG), rec.one(Span.DECODE_LEG)
     assert p_leg.kind is SpanKind.CLIENT and d_leg.kind is SpanKind.CLIENT
-    for child in (rec.one(Span.ROUTE), p_leg, d_leg):
+    ingress, route = rec.one(Span.INGRESS), rec.one(Span.ROUTE)
+    for child in (ingress, route, p_leg, d_leg):
         assert child.parent.span_id == root.context.span_id
+    # The root starts at the server's stamp; ingress reaches the handler, before routing.
+    assert root.attributes[Attr.ARRIVAL.value] == "server"
+    assert ingress.start_time == root.start_time and ingress.end_time <= route.start_time
     assert p_leg.start_time <= d_leg.start_time  # P's leg, the long pole, is sent first
     assert rec.one(Span.FIRST_BYTE).parent.span_id == d_leg.context.span_id
     # Each leg names its own span as the parent of what P and D record.
@@ -103,7 +114,7 @@ async def test_bad_body_is_a_400_request_span(cluster: MakeCluster) -> None:
     c = await cluster(tracer=rec.tracer)
     r = await c.client.post("/v1/completions", content=b"{not json")
     assert r.status_code == 400
-    assert rec.names() == [Span.REQUEST.value]
+    assert rec.names() == [Span.INGRESS.value, Span.REQUEST.value]
     root = rec.one(Span.REQUEST)
     assert root.attributes[Attr.OUTCOME.value] == "invalid_request"
     assert root.status.status_code is StatusCode.ERROR

@@ -108,10 +108,10 @@ def test_failed_write_stops_the_path_at_the_write() -> None:
     path = _path(t)
     assert path.ttft_ns is None
     names = [s.name for s in path.segments]
-    assert names[:6] == list(PUSH_SEGMENTS[:6]) and names[6] is Seg.UNKNOWN
-    assert path.segments[5].error == "write_error"  # the WRITE segment carries the reason
-    assert path.segments[6].covers == (Seg.NOTIFY, Seg.D_STEP, Seg.STREAM_BACK)
-    assert path.segments[6].error == "write_error"  # the request ended in error too
+    assert names[:7] == list(PUSH_SEGMENTS[:7]) and names[7] is Seg.UNKNOWN
+    assert path.segments[6].error == "write_error"  # the WRITE segment carries the reason
+    assert path.segments[7].covers == (Seg.NOTIFY, Seg.D_STEP, Seg.STREAM_BACK)
+    assert path.segments[7].error == "write_error"  # the request ended in error too
 
 
 def test_cancelled_request_keeps_what_was_measured() -> None:
@@ -167,8 +167,9 @@ def test_only_router_spans_in_push_mode_is_mostly_unknown() -> None:
     t = _without(_ok_push_trace(), *(s for s in Span if s not in router))
     path = critical_path(t, model="push")
     assert path is not None
-    assert [s.name for s in path.segments] == [Seg.ROUTER, Seg.UNKNOWN]
-    assert path.segments[1].covers == PUSH_SEGMENTS[1:]
+    assert [s.name for s in path.segments] == [Seg.INGRESS, Seg.ROUTER, Seg.UNKNOWN]
+    assert path.segments[0].duration_ns == 0, "no ingress span: a zero-length ingress"
+    assert path.segments[2].covers == PUSH_SEGMENTS[2:]
     assert sum(s.duration_ns for s in path.segments) == path.ttft_ns
 
 
@@ -201,7 +202,7 @@ def test_retried_prefill_leg_uses_the_last_and_says_so() -> None:
         leg, span_id="f" * 16, start_ns=leg.start_ns - 10, end_ns=leg.start_ns - 5
     )
     path = _path(Trace(t.trace_id, (earlier, *t.spans)))
-    assert path.segments[0].end_ns == leg.start_ns
+    assert path.segments[1].end_ns == leg.start_ns  # after the (zero-length) ingress
     assert any(f"2 {Span.PREFILL_LEG.value} spans" in a for a in path.anomalies)
 
 
@@ -238,9 +239,8 @@ def test_request_without_any_child_is_one_unknown_segment() -> None:
     t = Trace("1" * 32, (_span(Span.REQUEST, 100, 900, events=(chunk,)),))
     path = _path(t)
     assert path.model == "router" and path.ttft_ns == 600
-    assert [s.name for s in path.segments] == [Seg.UNKNOWN] and path.segments[
-        0
-    ].covers == ROUTER_SEGMENTS
+    assert [s.name for s in path.segments] == [Seg.INGRESS, Seg.UNKNOWN]
+    assert path.segments[1].covers == ROUTER_SEGMENTS[1:]
 
 
 # the tree of telemetry/schema.py: a span's parent (P's transfer spans hang under the decode
