@@ -9,6 +9,8 @@ long per-segment frame the decomposition and comparison views aggregate. Caching
 from __future__ import annotations
 
 import bisect
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -24,6 +26,10 @@ from telemetry.schema import Attr, Event, Outcome, Service, Span
 from telemetry.traces import read_run
 
 OK = Outcome.OK.value
+# A run folder may hold the TTFT each request's client saw ({request id: ms}; `pushkv bench`
+# writes it): the request table then shows it next to the trace's, and what no span saw.
+CLIENT_TTFTS_FILE = "client_ttfts.json"
+CLIENT_COLUMNS = ["client_ttft_ms", "unaccounted_ms"]
 # request-table columns, in display order
 COLUMNS = [
     "flag",
@@ -183,13 +189,31 @@ def segment_frame(paths: dict[str, CriticalPath | None]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["trace_id", "segment", "ms"])
 
 
-def analyse(label: str, traces: list[Trace], problems: tuple[str, ...] = ()) -> RunData:
+def with_client_ttfts(requests: pd.DataFrame, client: Mapping[str, float]) -> pd.DataFrame:
+    """The request table with the client's TTFT and the time no span saw (client - trace),
+    right after the trace's TTFT."""
+    out = requests.copy()
+    out["client_ttft_ms"] = pd.to_numeric(out["request_id"].map(client), errors="coerce")
+    out["unaccounted_ms"] = out["client_ttft_ms"] - out["ttft_ms"]
+    at = COLUMNS.index("ttft_ms") + 1
+    return out[[*COLUMNS[:at], *CLIENT_COLUMNS, *COLUMNS[at:]]]
+
+
+def analyse(
+    label: str,
+    traces: list[Trace],
+    problems: tuple[str, ...] = (),
+    client_ttfts: Mapping[str, float] | None = None,
+) -> RunData:
     paths = {t.trace_id: critical_path(t) for t in traces}
+    requests = request_frame(traces, paths)
+    if client_ttfts:
+        requests = with_client_ttfts(requests, client_ttfts)
     return RunData(
         label,
         {t.trace_id: t for t in traces},
         paths,
-        request_frame(traces, paths),
+        requests,
         segment_frame(paths),
         problems,
         sum(1 for t in traces if not is_request(t)),
@@ -198,7 +222,16 @@ def analyse(label: str, traces: list[Trace], problems: tuple[str, ...] = ()) -> 
 
 def load_run_folder(folder: str | Path) -> RunData:
     run = read_run(folder)
-    return analyse(str(folder), list(run.traces), run.problems)
+    client = Path(folder) / CLIENT_TTFTS_FILE
+    try:
+        client_ttfts = json.loads(client.read_text()) if client.is_file() else None
+    except (OSError, ValueError) as exc:
+        return analyse(
+            str(folder), list(run.traces), (*run.problems, f"{client}: unreadable ({exc})")
+        )
+    if not isinstance(client_ttfts, dict):
+        client_ttfts = None
+    return analyse(str(folder), list(run.traces), run.problems, client_ttfts)
 
 
 def load_jaeger(

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import anyio
-import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -39,6 +38,7 @@ from connector.router.looplag import LoopLag
 from connector.router.metrics import RouterMetrics
 from connector.router.relay import SSE_DONE, Dispatch, Retry, from_exception, send_error
 from connector.router.tracing import RequestTrace
+from connector.router.upstream import TransportError
 from telemetry.schema import Outcome
 
 logger = logging.getLogger(__name__)
@@ -375,15 +375,13 @@ def create_app(
         if d is None:
             return error_response(503, "no healthy decode server", "service_unavailable")
         try:
-            r = await d.http.get("/v1/models")
-        except httpx.HTTPError as exc:
+            r = await d.http.request("GET", "/v1/models")
+        except TransportError as exc:
             err = from_exception(exc, d, "/v1/models")
             body, ctype = err.http_body()
             return Response(body, status_code=err.status, media_type=ctype)
         return Response(
-            r.content,
-            status_code=r.status_code,
-            media_type=r.headers.get("content-type", "application/json"),
+            r.content, status_code=r.status_code, media_type=r.content_type or "application/json"
         )
 
     async def stats(_request: Request) -> Response:
@@ -419,13 +417,6 @@ def create_app(
     return app
 
 
-def quiet_http_logs() -> None:
-    """httpx logs every request at INFO: one line per backend per health check. The router
-    logs health changes and failures itself."""
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def main(argv: list[str]) -> int:
     """``pushkv router ...``: ``argv`` is what follows ``router``. Serves until interrupted."""
     config = parse_args(argv)
@@ -434,7 +425,6 @@ def main(argv: list[str]) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    quiet_http_logs()
     import uvicorn  # only the serving process needs it
 
     from telemetry.schema import Service

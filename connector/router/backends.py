@@ -1,8 +1,8 @@
 """The P and D servers as the router sees them: one HTTP client each, health, coordinates.
 
 Owns: ``Role``, ``Backend``, ``Lease`` (one leg's claim on a backend's outstanding count),
-and ``Backends``: the per-backend ``httpx.AsyncClient`` (created in ``start``, closed in
-``stop``: the app's lifespan calls both), the background health loop and the probe that
+and ``Backends``: the per-backend client (``upstream.Upstream``, started in ``start``,
+closed in ``stop``: the app's lifespan calls both), the background health loop and the probe that
 teaches the router each P's transfer coordinates in push mode. Choice itself is
 ``policy.choose``.
 
@@ -19,12 +19,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from connector.core.errors import RemoteProtocolError
 from connector.router import legs
 from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig
 from connector.router.policy import BackendLoad, choose, unavailable_reason
+from connector.router.upstream import Reply, TransportError, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +42,14 @@ class Backend:
     override: CoordOverride = field(default_factory=CoordOverride)
     # P only: where D reaches this P's KV (flags, probe, or both). None: not known yet.
     coords: PrefillCoords | None = None
-    client: httpx.AsyncClient | None = None
+    client: Upstream | None = None
 
     @property
     def name(self) -> str:
         return f"{self.role.value}[{self.index}] {self.url}"
 
     @property
-    def http(self) -> httpx.AsyncClient:
+    def http(self) -> Upstream:
         if self.client is None:
             raise RuntimeError(f"{self.name}: router not started (no HTTP client)")
         return self.client
@@ -132,21 +131,15 @@ class Backends:
         ready when it starts listening), then keep checking in the background."""
         c = self.config
         for b in self.all:
-            b.client = httpx.AsyncClient(
-                base_url=b.url,
-                timeout=httpx.Timeout(c.timeout_s, connect=c.connect_timeout_s),
-                limits=httpx.Limits(
-                    max_connections=c.max_connections,
-                    max_keepalive_connections=c.max_connections,
-                    keepalive_expiry=c.keepalive_expiry_s,
-                ),
-                # Never route P/D traffic through an HTTP(S)_PROXY from the environment.
-                trust_env=False,
-                # The backends' own API key (vLLM --api-key), never the client's.
-                headers=(
-                    {"Authorization": f"Bearer {c.backend_api_key}"} if c.backend_api_key else None
-                ),
+            b.client = Upstream(
+                b.url,
+                timeout_s=c.timeout_s,
+                connect_timeout_s=c.connect_timeout_s,
+                max_connections=c.max_connections,
+                keepalive_expiry_s=c.keepalive_expiry_s,
+                api_key=c.backend_api_key,
             )
+            await b.client.start()
         await self.check_all()
         self._loop_task = asyncio.create_task(self._health_loop(), name="pushkv-router-health")
 
@@ -157,7 +150,7 @@ class Backends:
                 await self._loop_task
             self._loop_task = None
         clients = [b.client for b in self.all if b.client is not None]
-        await asyncio.gather(*(cl.aclose() for cl in clients), return_exceptions=True)
+        await asyncio.gather(*(cl.close() for cl in clients), return_exceptions=True)
 
     async def _health_loop(self) -> None:
         while True:
@@ -174,12 +167,11 @@ class Backends:
         before = b.load.health
         answered = True
         try:
-            r = await b.http.get("/health", timeout=self.config.health_timeout_s)
+            r = await b.http.request("GET", "/health", timeout_s=self.config.health_timeout_s)
             ok = r.status_code == 200
-        except httpx.TimeoutException:
-            ok, answered = False, False  # maybe just a loaded host: tolerated a few times
-        except httpx.HTTPError:
-            ok = False
+        except TransportError as exc:
+            # a timeout: maybe just a loaded host, tolerated a few times
+            ok, answered = False, exc.kind != "timeout"
         came_back = b.load.record_health(ok, answered=answered)
         if b.load.health is not before:
             log = logger.info if ok else logger.warning
@@ -203,18 +195,17 @@ class Backends:
         answer carries ``kv_transfer_params.pushkv``."""
         t = self.config.probe_timeout_s
         try:
-            r = await b.http.get("/v1/models", timeout=t)
-            r.raise_for_status()
+            r = _ok(await b.http.request("GET", "/v1/models", timeout_s=t))
             model = legs.parse_models_response(r.json())
-            r = await b.http.post(
+            r = await b.http.request(
+                "POST",
                 "/v1/completions",
-                json=legs.probe_body(model),
-                timeout=t,
+                body=legs.probe_body(model),
+                timeout_s=t,
                 headers={"X-Request-Id": f"pushkv-probe-{uuid.uuid4().hex}"},
             )
-            r.raise_for_status()
-            return legs.parse_probe_response(r.json())
-        except (httpx.HTTPError, ValueError, RemoteProtocolError) as exc:
+            return legs.parse_probe_response(_ok(r).json())
+        except (TransportError, ValueError, RemoteProtocolError) as exc:
             logger.warning("router backend %s: probe failed: %s", b.name, exc)
             return None
 
@@ -247,3 +238,9 @@ class Backends:
             "prefill": [b.stats() for b in self.prefill],
             "decode": [b.stats() for b in self.decode],
         }
+
+
+def _ok(reply: Reply) -> Reply:
+    if reply.status_code >= 400:
+        raise RemoteProtocolError(f"answered {reply.status_code}")
+    return reply

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import anyio
-import httpx
 from starlette.types import Send
 
 from connector.core.errors import PushkvError
@@ -39,6 +38,7 @@ from connector.router import legs
 from connector.router.backends import Backend, Lease, Role
 from connector.router.config import Mode, RouterConfig
 from connector.router.tracing import RequestTrace
+from connector.router.upstream import Stream, TransportError
 from telemetry.schema import Outcome
 
 logger = logging.getLogger(__name__)
@@ -87,23 +87,26 @@ class UpstreamError(PushkvError):
 
 def from_exception(exc: BaseException, backend: Backend, what: str) -> UpstreamError:
     """Map a transport failure to the answer the client gets: timeout 504, else 502."""
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+    kind = exc.kind if isinstance(exc, TransportError) else None
+    if kind == "connect":
         return UpstreamError(
             502, f"cannot connect to {backend.name} ({what}): {exc}", backend=backend.name
         )
-    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+    if kind == "timeout" or isinstance(exc, TimeoutError):
         return UpstreamError(504, f"{backend.name} timed out ({what})", backend=backend.name)
-    return UpstreamError(502, f"{backend.name} failed ({what}): {exc!r}", backend=backend.name)
+    return UpstreamError(502, f"{backend.name} failed ({what}): {exc}", backend=backend.name)
 
 
-def _from_status(resp: httpx.Response, body: bytes, backend: Backend, what: str) -> UpstreamError:
+def _from_status(
+    status: int, content_type: str | None, body: bytes, backend: Backend, what: str
+) -> UpstreamError:
     return UpstreamError(
-        resp.status_code,
-        f"{backend.name} answered {resp.status_code} ({what})",
+        status,
+        f"{backend.name} answered {status} ({what})",
         backend=backend.name,
         body=body,
-        content_type=resp.headers.get("content-type"),
-        suspect=resp.status_code >= 500,
+        content_type=content_type,
+        suspect=status >= 500,
     )
 
 
@@ -119,11 +122,11 @@ async def post_json(
     try:
         try:
             async with asyncio.timeout(deadline_s):
-                resp = await backend.http.post(path, json=body, headers=headers)
-        except (httpx.HTTPError, TimeoutError) as exc:
+                resp = await backend.http.request("POST", path, body=body, headers=headers)
+        except (TransportError, TimeoutError) as exc:
             raise from_exception(exc, backend, what) from exc
         if resp.status_code >= 400:
-            raise _from_status(resp, resp.content, backend, what)
+            raise _from_status(resp.status_code, resp.content_type, resp.content, backend, what)
         try:
             answer = resp.json()
         except ValueError:
@@ -143,36 +146,26 @@ async def post_json(
 
 async def open_stream(
     backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str], what: str
-) -> httpx.Response:
+) -> Stream:
     """Send a leg and return once its status and headers are in (body not read yet). An
     error status is read whole and raised as ``UpstreamError`` (passed through)."""
-    client = backend.http
     try:
-        resp = await client.send(
-            client.build_request("POST", path, json=body, headers=headers), stream=True
-        )
-    except httpx.HTTPError as exc:
+        resp = await backend.http.open(path, body, headers)
+    except TransportError as exc:
         err = from_exception(exc, backend, what)
     else:
         if resp.status_code < 400:
             return resp
         try:
-            err = _from_status(resp, await resp.aread(), backend, what)
-        except httpx.HTTPError as exc:
+            raw = await resp.read()
+            err = _from_status(resp.status_code, resp.content_type, raw, backend, what)
+        except TransportError as exc:
             err = from_exception(exc, backend, what)
         finally:
-            await _close(resp)
+            resp.close()
     backend.record_leg_failure(suspect=err.suspect)
     logger.warning("router %s leg failed: %s", what, err.message)
     raise err
-
-
-async def _close(resp: httpx.Response | None) -> None:
-    if resp is not None:
-        # Shielded: this runs on cancellation paths too, and must close the connection
-        # (that is what tells vLLM to abort the request).
-        with anyio.CancelScope(shield=True):
-            await resp.aclose()
 
 
 @dataclass(frozen=True)
@@ -268,7 +261,7 @@ class Dispatch:
         )
         self._background = background
         self._p_task: asyncio.Task[dict[str, Any]] | None = None
-        self._d_resp: httpx.Response | None = None
+        self._d_resp: Stream | None = None
         self._d_done = False  # D's whole answer has been relayed
         self._d_error: str | None = None  # why the D leg failed (its span's reason)
 
@@ -318,7 +311,7 @@ class Dispatch:
             )
         return answer
 
-    def _decode(self, prefill_params: dict[str, Any] | None = None) -> Awaitable[httpx.Response]:
+    def _decode(self, prefill_params: dict[str, Any] | None = None) -> Awaitable[Stream]:
         d = self.d.backend
         traceparent = self.trace.decode_started(d.url)
         if self.p is None:
@@ -413,15 +406,13 @@ class Dispatch:
         else:
             await self._relay_whole(send, opened, watch)
 
-    def _response_start(self, resp: httpx.Response) -> dict[str, Any]:
-        return _start(
-            resp.status_code, resp.headers.get("content-type", "application/json"), self.request_id
-        )
+    def _response_start(self, resp: Stream) -> dict[str, Any]:
+        return _start(resp.status_code, resp.content_type or "application/json", self.request_id)
 
-    async def _relay_whole(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
+    async def _relay_whole(self, send: Send, resp: Stream, watch: PrefillWatch) -> None:
         try:
-            body = await watch.run(resp.aread())
-        except httpx.HTTPError as exc:
+            body = await watch.run(resp.read())
+        except TransportError as exc:
             return await self._decode_failed(send, exc, started=False)
         if isinstance(body, _PrefillFailed):
             assert watch.failure is not None
@@ -433,11 +424,10 @@ class Dispatch:
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self.trace.sent(body, stream=False)
 
-    async def _relay_stream(self, send: Send, resp: httpx.Response, watch: PrefillWatch) -> None:
+    async def _relay_stream(self, send: Send, resp: Stream, watch: PrefillWatch) -> None:
         # The client's answer starts with D's first chunk, not D's headers: until then a
         # failure of either leg is still a plain error answer, or another attempt.
         started = False
-        chunks = resp.aiter_bytes()
         stamp = TraceStamp(self.trace.trace_id)
         tail = b"\n\n"
 
@@ -457,8 +447,8 @@ class Dispatch:
 
         while True:
             try:
-                chunk = await watch.run(anext(chunks, None))
-            except httpx.HTTPError as exc:
+                chunk = await watch.run(resp.next_chunk())
+            except TransportError as exc:
                 await forward(stamp.flush())  # what D sent before it broke, as before
                 return await self._decode_failed(send, exc, started=started, tail=tail)
             if isinstance(chunk, _PrefillFailed):
@@ -478,7 +468,7 @@ class Dispatch:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _decode_failed(
-        self, send: Send, exc: httpx.HTTPError, *, started: bool, tail: bytes = b"\n\n"
+        self, send: Send, exc: TransportError, *, started: bool, tail: bytes = b"\n\n"
     ) -> None:
         """D broke mid-answer (timeout between bytes, dropped connection)."""
         d = self.d.backend
@@ -525,7 +515,8 @@ class Dispatch:
                 task.cancel()
         if self.config.mode is Mode.PULL and self.p is not None:
             self.p.release()
-        await _close(self._d_resp)
+        if self._d_resp is not None:
+            self._d_resp.close()  # closes the connection unless D's answer was read whole
         self.d.release()
         self.trace.decode_ended(
             None if self._d_done else (self._d_error or Outcome.CANCELLED.value)

@@ -106,6 +106,12 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
     row = run.requests.loc[run.requests["trace_id"] == trace_id].iloc[0]
     ttft = f"{row['ttft_ms']:.2f} ms" if pd.notna(row["ttft_ms"]) else "no first token"
     st.subheader(f"Critical path: {row['request_id']} · {ttft} · {row['outcome']}")
+    if pd.notna(row.get("client_ttft_ms")):
+        st.caption(
+            f"The client saw a TTFT of {row['client_ttft_ms']:.2f} ms: "
+            f"{row['unaccounted_ms']:.2f} ms outside this trace (before the router's server "
+            "read the request, or after it sent the first chunk)."
+        )
     if path is None:
         st.warning("This trace has no router request span, so its TTFT cannot be decomposed.")
     else:
@@ -188,6 +194,8 @@ def render(run: RunData, params: dict[str, str]) -> None:
         hide_index=True,
         column_config={
             "ttft_ms": st.column_config.NumberColumn("TTFT ms", format="%.2f"),
+            "client_ttft_ms": st.column_config.NumberColumn("client TTFT ms", format="%.2f"),
+            "unaccounted_ms": st.column_config.NumberColumn("unaccounted ms", format="%.2f"),
             "tpot_ms": st.column_config.NumberColumn("TPOT ms", format="%.2f"),
             "unknown_ms": st.column_config.NumberColumn("unknown ms", format="%.2f"),
             "start_s": st.column_config.NumberColumn("start s", format="%.3f"),

@@ -108,23 +108,29 @@ def trace_ttfts_ms(traces: Iterable[Trace]) -> dict[str, float]:
     return out
 
 
+def client_ttfts_ms(bench: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    """Request id -> the TTFT the client saw (ms), for the requests it timed."""
+    ttfts = bench.get("ttfts") or []
+    errors = bench.get("errors") or [""] * len(ttfts)
+    return {
+        f"{prefix}{i}": t * 1e3
+        for i, (t, err) in enumerate(zip(ttfts, errors, strict=False))
+        if not err and t and t > 0
+    }
+
+
 def check(bench: Mapping[str, Any], prefix: str, traces: Sequence[Trace]) -> Fidelity:
     """``bench``: a ``vllm bench serve --save-detailed`` result (``ttfts`` in seconds and
     ``errors`` in request order); ``prefix``: its ``--request-id-prefix``."""
-    ttfts = bench.get("ttfts") or []
-    errors = bench.get("errors") or [""] * len(ttfts)
     by_id = trace_ttfts_ms(traces)
-    timed = matched = ok = 0
+    client = client_ttfts_ms(bench, prefix)
+    matched = ok = 0
     gaps: list[float] = []
-    for i, (ttft_s, err) in enumerate(zip(ttfts, errors, strict=False)):
-        if err or not ttft_s or ttft_s <= 0:
-            continue
-        timed += 1
-        trace_ms = by_id.get(f"{prefix}{i}")
+    for rid, client_ms in client.items():
+        trace_ms = by_id.get(rid)
         if trace_ms is None:
             continue
         matched += 1
-        client_ms = ttft_s * 1e3
         gaps.append(client_ms - trace_ms)
         ok += within(client_ms, trace_ms)
-    return Fidelity(timed, matched, ok, tuple(gaps))
+    return Fidelity(len(client), matched, ok, tuple(gaps))

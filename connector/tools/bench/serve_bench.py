@@ -205,13 +205,17 @@ def _check_fidelity(results: Sequence[LevelResult], cfg_dir: Path, log: Log) -> 
         traces = read_run(cfg_dir).traces
     except RunFolderError:
         return  # tracing off: nothing to check
+    client: dict[str, float] = {}
     for r in results:
         if not (r.ok and r.result_file and r.request_id_prefix):
             continue
         bench = json.loads((cfg_dir.parent / r.result_file).read_text())
         fid = fidelity.check(bench, r.request_id_prefix, traces)
         r.fidelity = fid.to_json()
+        client |= fidelity.client_ttfts_ms(bench, r.request_id_prefix)
         log(f"[{r.config}] c={r.concurrency} trace fidelity: {fid.summary()}")
+    # the dashboard shows these next to each trace's TTFT (dashboard.data.CLIENT_TTFTS_FILE)
+    (cfg_dir / "client_ttfts.json").write_text(json.dumps(client))
 
 
 def _fail_all(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from dashboard.data import (
+    CLIENT_COLUMNS,
+    CLIENT_TTFTS_FILE,
     COLUMNS,
     OK,
     analyse,
@@ -148,3 +151,24 @@ def test_traces_without_a_request_span_are_counted_not_listed(tmp_path: Path) ->
     assert run.not_requests == 1 and len(run.requests) == len(run.traces) - 1
     orphan = next(tid for tid, t in run.traces.items() if t.first(Span.REQUEST.value) is None)
     assert orphan not in set(run.requests["trace_id"]) and run.paths[orphan] is None
+
+
+def test_client_ttfts_beside_a_run_show_next_to_the_traces(tmp_path: Path) -> None:
+    for f in (HERE / "gen-push").glob("traces-*.jsonl"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    plain = load_run_folder(tmp_path).requests
+    ok = plain[plain["ttft_ms"].notna()]
+    first, second = ok.iloc[0], ok.iloc[1]
+    client = {first["request_id"]: first["ttft_ms"] + 7.5, second["request_id"]: 1.0}
+    (tmp_path / CLIENT_TTFTS_FILE).write_text(json.dumps(client))
+    df = load_run_folder(tmp_path).requests
+    at = COLUMNS.index("ttft_ms") + 1
+    assert list(df.columns) == [*COLUMNS[:at], *CLIENT_COLUMNS, *COLUMNS[at:]]
+    by_id = df.set_index("request_id")
+    assert by_id.loc[first["request_id"], "unaccounted_ms"] == pytest.approx(7.5)
+    assert by_id.loc[second["request_id"], "client_ttft_ms"] == 1.0
+    assert by_id["client_ttft_ms"].notna().sum() == 2, "requests the client did not time: NaN"
+    (tmp_path / CLIENT_TTFTS_FILE).write_text("{not json")
+    broken = load_run_folder(tmp_path)
+    assert list(broken.requests.columns) == COLUMNS
+    assert any(CLIENT_TTFTS_FILE in p for p in broken.problems)

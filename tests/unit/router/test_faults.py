@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from connector.core.errors import ConfigError
 from connector.router import legs
-from connector.router.app import quiet_http_logs
 from connector.router.config import RouterConfig, parse_args
 from telemetry.schema import Attr, Event, Span
 from tests.unit.router.conftest import Cluster, MakeCluster, p_coords
@@ -290,17 +288,6 @@ async def test_a_degraded_attempt_is_retried_on_the_other_d(cluster: MakeCluster
 # -- logs ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def quiet_http() -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in ("httpx", "httpcore")]
-    levels = [lg.level for lg in loggers]
-    quiet_http_logs()
-    yield
-    for lg, level in zip(loggers, levels, strict=True):
-        lg.setLevel(level)
-
-
-@pytest.mark.usefixtures("quiet_http")
 async def test_health_checks_log_state_changes_only(
     cluster: MakeCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
