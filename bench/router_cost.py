@@ -10,6 +10,7 @@ sent) and the share of requests whose trace accounts for the client's TTFT withi
 
     python -m bench.router_cost --concurrency 8 16 --bursts 20
     python -m bench.router_cost --no-trace          # the same with tracing off
+    python -m bench.router_cost --router-src ../before  # a router from another checkout
 
 Use it to compare router changes in one run on this machine (2 shared cores: a burst of 16 is
 16 handlers queued on one event loop); the absolute numbers drift with the machine's load.
@@ -141,6 +142,12 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--profile", type=Path, help="run the router under cProfile, stats here")
+    p.add_argument(
+        "--router-src",
+        type=Path,
+        help="run the router from this checkout (e.g. a `git worktree` of an older commit), "
+        "to compare before and after in one run",
+    )
     p.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_fake:
@@ -152,6 +159,8 @@ def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="router-cost-"))
     print(f"traces in {run_dir}", flush=True)
     env = {**os.environ, "PUSHKV_RUN_DIR": str(run_dir)}
+    if args.router_src:
+        env["PYTHONPATH"] = str(args.router_src.resolve())
     if args.no_trace:
         env["OTEL_SDK_DISABLED"] = "true"
     fp, fd, rp = free_port(), free_port(), free_port()
@@ -181,6 +190,7 @@ def main() -> int:
                 "warning",
             ],
             env=env,
+            cwd=args.router_src or None,
             start_new_session=True,
         )
         procs.append(router)
