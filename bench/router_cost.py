@@ -1,12 +1,13 @@
 """The router's own cost under bursts: its CPU per request, its segments, trace fidelity.
 
-Starts fake P and D servers (one process: P answers after ``--prefill-ms``, D streams its first
-token ``--decode-ms`` after its leg arrives, then ``--tokens`` more), the real router (``pushkv
-router``, tracing to JSON-lines files) and a lean asyncio client that sends bursts of
-``--concurrency`` requests at once, ``--bursts`` times. Prints, per burst size: the client's TTFT,
-the router's CPU per request (from /proc), the median of each router-side segment of the
-traces (ingress: server stamp -> handler; handler -> P leg sent; D's first byte -> first chunk
-sent) and the share of requests whose trace accounts for the client's TTFT within 2 % + 2 ms.
+Starts fake P and D servers (P answers after ``--prefill-ms``; D streams its first token
+``--decode-ms`` after its leg arrives, then one every ``--itl-ms``, ``--tokens`` in all), the
+real router (``pushkv router``, tracing to JSON-lines files) and a lean asyncio client that
+sends bursts of ``--concurrency`` requests at once, ``--bursts`` times. Prints, per burst
+size: the client's TTFT, the router's CPU per request (from /proc), the median of each
+router-side segment of the traces (ingress: server stamp -> handler; handler -> P leg sent;
+D's first byte -> first chunk sent) and the share of requests whose trace accounts for the
+client's TTFT within 2 % + 2 ms.
 
     python -m bench.router_cost --concurrency 8 16 --bursts 20
     python -m bench.router_cost --no-trace          # the same with tracing off
@@ -41,7 +42,7 @@ from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
 
 
-def fake_app(prefill_s: float, decode_s: float, tokens: int) -> Any:
+def fake_app(prefill_s: float, decode_s: float, tokens: int, itl_s: float) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -58,6 +59,8 @@ def fake_app(prefill_s: float, decode_s: float, tokens: int) -> Any:
     async def stream() -> AsyncIterator[bytes]:
         await asyncio.sleep(decode_s)
         for i in range(tokens):
+            if i:
+                await asyncio.sleep(itl_s)  # one token per step, as an engine streams
             yield f'data: {{"choices":[{{"index":0,"text":"t{i}"}}]}}\n\n'.encode()
         yield b"data: [DONE]\n\n"
 
@@ -140,6 +143,7 @@ def main() -> int:
     p.add_argument("--prefill-ms", type=float, default=20.0)
     p.add_argument("--decode-ms", type=float, default=10.0)
     p.add_argument("--tokens", type=int, default=4)
+    p.add_argument("--itl-ms", type=float, default=2.0, help="D's time between tokens")
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--profile", type=Path, help="run the router under cProfile, stats here")
     p.add_argument(
@@ -153,7 +157,7 @@ def main() -> int:
     if args.serve_fake:
         import uvicorn
 
-        app = fake_app(args.prefill_ms / 1e3, args.decode_ms / 1e3, args.tokens)
+        app = fake_app(args.prefill_ms / 1e3, args.decode_ms / 1e3, args.tokens, args.itl_ms / 1e3)
         uvicorn.run(app, host="127.0.0.1", port=args.serve_fake, log_level="warning")
         return 0
     run_dir = Path(tempfile.mkdtemp(prefix="router-cost-"))
@@ -169,6 +173,7 @@ def main() -> int:
         for port in (fp, fd):
             cmd = [sys.executable, "-m", "bench.router_cost", "--serve-fake", str(port)]
             cmd += ["--prefill-ms", str(args.prefill_ms), "--decode-ms", str(args.decode_ms)]
+            cmd += ["--tokens", str(args.tokens), "--itl-ms", str(args.itl_ms)]
             procs.append(subprocess.Popen(cmd, start_new_session=True))
         for port in (fp, fd):
             wait_http_ok(f"http://127.0.0.1:{port}/health", 30.0)
