@@ -8,7 +8,9 @@ Client-observed TTFT is the router ``request`` span's start -> its ``first_chunk
 processes stamp unix nanos of one host clock. Push mode, boundaries in order (each segment runs
 from the previous boundary to its own, so the segments telescope to exactly end - start):
 
-    request.start                         (the HTTP server's stamp when it began parsing)
+    request.start                         (the HTTP server's accept of the connection opened
+                                          for the request, else its first bytes)
+    -> connect.end                        connection (0 on a connection already open)
     -> ingress.end                        router ingress (queued on the router's loop)
     -> prefill_leg.start                  router overhead
     -> P prefill's scheduled event         P queue
@@ -22,11 +24,11 @@ from the previous boundary to its own, so the segments telescope to exactly end 
 
 With several P TP ranks the critical rank is the one whose ``write`` ends last; its own
 prefill / rendezvous / descriptor spans give the P boundaries. Router-only modes (``pull``,
-``vllm-push``) have only router spans: router ingress / router overhead / prefill leg /
-decode leg to first byte / stream back. A trace without an ``ingress`` span (written before
-the router stamped arrivals) has a zero-length ingress. A request that never produced a
-first token ends at the request span's end; ``ttft_ns`` is then None and the segments sum
-to the time until it ended.
+``vllm-push``) have only router spans: connection / router ingress / router overhead / prefill leg /
+decode leg to first byte / stream back. A trace without ``connect`` or ``ingress`` spans
+(written before the router stamped arrivals) has zero-length segments in their place. A
+request that never produced a first token ends at the request span's end; ``ttft_ns`` is
+then None and the segments sum to the time until it ended.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ PUSH_MODE = RouterMode.PUSH.value
 class Seg(str, Enum):
     """Segment names (labels for people; the spans behind them come from the schema)."""
 
+    CONNECT = "connection"
     INGRESS = "router ingress"
     ROUTER = "router overhead"
     P_QUEUE = "P queue"
@@ -60,6 +63,7 @@ class Seg(str, Enum):
 
 
 PUSH_SEGMENTS: tuple[Seg, ...] = (
+    Seg.CONNECT,
     Seg.INGRESS,
     Seg.ROUTER,
     Seg.P_QUEUE,
@@ -72,6 +76,7 @@ PUSH_SEGMENTS: tuple[Seg, ...] = (
     Seg.STREAM_BACK,
 )
 ROUTER_SEGMENTS: tuple[Seg, ...] = (
+    Seg.CONNECT,
     Seg.INGRESS,
     Seg.ROUTER,
     Seg.PREFILL_LEG,
@@ -295,6 +300,18 @@ def _segments(
     return out
 
 
+def _router_in(trace: Trace, name: Span, req: SpanRecord, anomalies: list[str]) -> Boundary:
+    """The end of the router's ``connect`` or ``ingress`` span; without one, the previous
+    boundary's time (a zero-length segment: a connection already open, or an old trace)."""
+    sp = _single(trace, name, anomalies)
+    label = f"{name.value.removeprefix('pushkv.')}.end"
+    if sp is not None:
+        return Boundary(label, sp.end_ns, sp)
+    if name is Span.INGRESS and (conn := trace.first(Span.CONNECT.value)) is not None:
+        return Boundary(label, conn.end_ns, conn, False)
+    return Boundary(label, req.start_ns, req, False)
+
+
 def model_for(mode: str, trace: Trace) -> str:
     """Push mode (or no mode attribute, with P/D spans present) -> push; else router."""
     if mode == PUSH_MODE:
@@ -331,13 +348,8 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
         ends_span=first_chunk is None,
     )
     start = Boundary("request.start", req.start_ns, req, False)
-    ingress = _single(trace, Span.INGRESS, anomalies)
-    handler = (
-        Boundary("ingress.end", ingress.end_ns, ingress)
-        if ingress is not None
-        else Boundary("ingress.end", req.start_ns, req, False)
-    )
-    segments = _segments(names, start, [handler, *bounds, end], anomalies)
+    router_in = [_router_in(trace, name, req, anomalies) for name in (Span.CONNECT, Span.INGRESS)]
+    segments = _segments(names, start, [*router_in, *bounds, end], anomalies)
     rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)  # the critical rank's
     first = rdv.attr(Attr.FIRST_ARRIVED.value) if rdv else None
     return CriticalPath(

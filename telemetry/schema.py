@@ -12,9 +12,10 @@ counts go into attributes.
 The tree of one push request (process that emits it in brackets; every P span is per P TP
 rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
 
-    request [router] (SERVER; starts when the HTTP server began parsing the request;
-                      event first_chunk = client-observed TTFT end)
-      ingress [router]                   request in -> its handler runs (waits on the loop)
+    request [router] (SERVER; starts when the HTTP server accepted the connection opened
+                      for it, else when it began parsing it; event first_chunk = TTFT end)
+      connect [router]                   only on a new connection: accept -> first bytes
+      ingress [router]                   first bytes -> its handler runs (waits on the loop)
       route [router]                     handler -> both legs about to be sent
       prefill_leg [router] (CLIENT)      P leg sent -> P's response read
         prefill [P]                      engine arrival -> prompt KV complete on this rank
@@ -55,7 +56,9 @@ class Span(str, Enum):
 
     # router
     REQUEST = "pushkv.request"  # root: client request in (server's stamp) -> last byte out
-    INGRESS = "pushkv.ingress"  # the server's stamp -> the handler runs (queued on the loop)
+    # the server accepted a connection the client opened for this request -> its first bytes
+    CONNECT = "pushkv.connect"
+    INGRESS = "pushkv.ingress"  # the request's first bytes -> the handler runs (queued on the loop)
     ROUTE = "pushkv.route"  # choosing D (and P) before prefill
     PREFILL_LEG = "pushkv.prefill_leg"  # router -> P -> router
     DECODE_LEG = "pushkv.decode_leg"  # router -> D -> stream back

@@ -166,7 +166,7 @@ class ProxyEndpoint:
             endpoint=self.endpoint.name.lower(),
             metrics=state.metrics,
             loop_lag=state.loop_lag,
-            arrival_ns=arrival.arrival_ns(scope),
+            arrival=arrival.arrival_of(scope),
         )
         exchange = _Exchange(send, state, trace)
         error: str | None = None

@@ -23,6 +23,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from connector.router import legs
+from connector.router.arrival import Arrival
 from telemetry.emit import context_of, emit, parent_context, traceparent_of
 from telemetry.schema import Attr, Event, Outcome, Span
 
@@ -40,18 +41,19 @@ class RequestTrace:
         endpoint: str,
         metrics: Any = None,
         loop_lag: Any = None,
-        arrival_ns: int | None = None,
+        arrival: Arrival | None = None,
     ) -> None:
         """``loop_lag``: the router's ``connector.router.looplag.LoopLag``; the root span
-        carries the worst event-loop lag seen while the request was open. ``arrival_ns``:
-        when the HTTP server began parsing the request (``connector.router.arrival``); the
-        root span starts there and an ``ingress`` span covers the wait for this handler."""
+        carries the worst event-loop lag seen while the request was open. ``arrival``: the
+        HTTP server's stamps (``connector.router.arrival``); the root span starts at the
+        earliest, a ``connect`` span covers accept -> first bytes (a connection opened for
+        this request) and an ``ingress`` span first bytes -> this handler."""
         self._tracer = tracer
         self._metrics = metrics
         self._loop_lag = loop_lag
         now_ns = time.time_ns()
         self._handler_ns = now_ns
-        self._start_ns = min(arrival_ns, now_ns) if arrival_ns else now_ns
+        self._start_ns = min(arrival.start_ns, now_ns) if arrival else now_ns
         self._start_mono_ns = time.monotonic_ns() - (now_ns - self._start_ns)
         self._fallback = legs.new_traceparent(incoming)
         self._legs: dict[str, tuple[str, int]] = {}  # open legs: role -> (url, sent ns)
@@ -78,10 +80,19 @@ class RequestTrace:
                 attributes={
                     Attr.MODE.value: mode,
                     Attr.ENDPOINT.value: endpoint,
-                    Attr.ARRIVAL.value: "server" if arrival_ns else "handler",
+                    Attr.ARRIVAL.value: "server" if arrival else "handler",
                 },
             )
-            emit(tracer, Span.INGRESS, parent=self._ctx(), start_ns=self._start_ns, end_ns=now_ns)
+            first_bytes = min(arrival.first_bytes_ns, now_ns) if arrival else now_ns
+            if arrival is not None and arrival.connected_ns is not None:
+                emit(
+                    tracer,
+                    Span.CONNECT,
+                    parent=self._ctx(),
+                    start_ns=self._start_ns,
+                    end_ns=first_bytes,
+                )
+            emit(tracer, Span.INGRESS, parent=self._ctx(), start_ns=first_bytes, end_ns=now_ns)
         # W3C Trace Context Level 2: the trace and the router's span the client can quote.
         self.traceresponse = (
             traceparent_of(self._root) if self._root is not None else None

@@ -27,6 +27,7 @@ ROLE_COLORS = {
 }
 OTHER_COLORS = ["#7F7F7F", "#BAB0AC", "#B279A2"]
 SEGMENT_COLORS = {
+    Seg.CONNECT: "#deebf7",
     Seg.INGRESS: "#c6dbef",
     Seg.ROUTER: "#9ecae9",
     Seg.P_QUEUE: "#ffbf79",

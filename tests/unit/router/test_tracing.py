@@ -35,6 +35,7 @@ async def test_push_request_tree_and_leg_parents(cluster: MakeCluster) -> None:
         s.value
         for s in (
             Span.REQUEST,
+            Span.CONNECT,
             Span.INGRESS,
             Span.ROUTE,
             Span.PREFILL_LEG,
@@ -47,12 +48,15 @@ async def test_push_request_tree_and_leg_parents(cluster: MakeCluster) -> None:
     assert root.parent is not None and root.parent.span_id == int("cd" * 8, 16)  # the client's
     p_leg, d_leg = rec.one(Span.PREFILL_LEG), rec.one(Span.DECODE_LEG)
     assert p_leg.kind is SpanKind.CLIENT and d_leg.kind is SpanKind.CLIENT
-    ingress, route = rec.one(Span.INGRESS), rec.one(Span.ROUTE)
-    for child in (ingress, route, p_leg, d_leg):
+    connect, ingress = rec.one(Span.CONNECT), rec.one(Span.INGRESS)
+    route = rec.one(Span.ROUTE)
+    for child in (connect, ingress, route, p_leg, d_leg):
         assert child.parent.span_id == root.context.span_id
-    # The root starts at the server's stamp; ingress reaches the handler, before routing.
+    # The client opened a connection for it: the root starts at the server's accept, connect
+    # reaches the first bytes, ingress the handler, before routing.
     assert root.attributes[Attr.ARRIVAL.value] == "server"
-    assert ingress.start_time == root.start_time and ingress.end_time <= route.start_time
+    assert connect.start_time == root.start_time and connect.end_time == ingress.start_time
+    assert ingress.end_time <= route.start_time
     assert p_leg.start_time <= d_leg.start_time  # P's leg, the long pole, is sent first
     assert rec.one(Span.FIRST_BYTE).parent.span_id == d_leg.context.span_id
     # Each leg names its own span as the parent of what P and D record.
@@ -114,7 +118,8 @@ async def test_bad_body_is_a_400_request_span(cluster: MakeCluster) -> None:
     c = await cluster(tracer=rec.tracer)
     r = await c.client.post("/v1/completions", content=b"{not json")
     assert r.status_code == 400
-    assert rec.names() == [Span.INGRESS.value, Span.REQUEST.value]
+    names = [n for n in rec.names() if n != Span.CONNECT.value]  # a new connection or not
+    assert names == [Span.INGRESS.value, Span.REQUEST.value]
     root = rec.one(Span.REQUEST)
     assert root.attributes[Attr.OUTCOME.value] == "invalid_request"
     assert root.status.status_code is StatusCode.ERROR

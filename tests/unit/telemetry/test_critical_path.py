@@ -108,10 +108,11 @@ def test_failed_write_stops_the_path_at_the_write() -> None:
     path = _path(t)
     assert path.ttft_ns is None
     names = [s.name for s in path.segments]
-    assert names[:7] == list(PUSH_SEGMENTS[:7]) and names[7] is Seg.UNKNOWN
-    assert path.segments[6].error == "write_error"  # the WRITE segment carries the reason
-    assert path.segments[7].covers == (Seg.NOTIFY, Seg.D_STEP, Seg.STREAM_BACK)
-    assert path.segments[7].error == "write_error"  # the request ended in error too
+    w = PUSH_SEGMENTS.index(Seg.WRITE)
+    assert names[: w + 1] == list(PUSH_SEGMENTS[: w + 1]) and names[w + 1] is Seg.UNKNOWN
+    assert path.segments[w].error == "write_error"  # the WRITE segment carries the reason
+    assert path.segments[w + 1].covers == (Seg.NOTIFY, Seg.D_STEP, Seg.STREAM_BACK)
+    assert path.segments[w + 1].error == "write_error"  # the request ended in error too
 
 
 def test_cancelled_request_keeps_what_was_measured() -> None:
@@ -167,9 +168,10 @@ def test_only_router_spans_in_push_mode_is_mostly_unknown() -> None:
     t = _without(_ok_push_trace(), *(s for s in Span if s not in router))
     path = critical_path(t, model="push")
     assert path is not None
-    assert [s.name for s in path.segments] == [Seg.INGRESS, Seg.ROUTER, Seg.UNKNOWN]
-    assert path.segments[0].duration_ns == 0, "no ingress span: a zero-length ingress"
-    assert path.segments[2].covers == PUSH_SEGMENTS[2:]
+    names = [Seg.CONNECT, Seg.INGRESS, Seg.ROUTER, Seg.UNKNOWN]
+    assert [s.name for s in path.segments] == names
+    assert path.segments[1].duration_ns == 0, "no ingress span: a zero-length ingress"
+    assert path.segments[3].covers == PUSH_SEGMENTS[3:]
     assert sum(s.duration_ns for s in path.segments) == path.ttft_ns
 
 
@@ -202,7 +204,7 @@ def test_retried_prefill_leg_uses_the_last_and_says_so() -> None:
         leg, span_id="f" * 16, start_ns=leg.start_ns - 10, end_ns=leg.start_ns - 5
     )
     path = _path(Trace(t.trace_id, (earlier, *t.spans)))
-    assert path.segments[1].end_ns == leg.start_ns  # after the (zero-length) ingress
+    assert path.segments[2].end_ns == leg.start_ns  # after the (zero-length) router-in ones
     assert any(f"2 {Span.PREFILL_LEG.value} spans" in a for a in path.anomalies)
 
 
@@ -239,8 +241,8 @@ def test_request_without_any_child_is_one_unknown_segment() -> None:
     t = Trace("1" * 32, (_span(Span.REQUEST, 100, 900, events=(chunk,)),))
     path = _path(t)
     assert path.model == "router" and path.ttft_ns == 600
-    assert [s.name for s in path.segments] == [Seg.INGRESS, Seg.UNKNOWN]
-    assert path.segments[1].covers == ROUTER_SEGMENTS[1:]
+    assert [s.name for s in path.segments] == [Seg.CONNECT, Seg.INGRESS, Seg.UNKNOWN]
+    assert path.segments[2].covers == ROUTER_SEGMENTS[2:]
 
 
 # the tree of telemetry/schema.py: a span's parent (P's transfer spans hang under the decode
