@@ -1,9 +1,10 @@
 """The GPU path driver: maps a D's KV through its IPC offer and copies scattered blocks
 straight into it when the cost model says that beats direct descriptors.
 
-Owns: ``GpuPaths`` (the Sender's ``connector.transfer.paths.Paths`` on GPU), ``IpcWrite``
-(one target's IPC copy as a ``PathWrite``), ``make_offer`` (D: its ``IpcOffer``) and
-``node_identity``. On one H200 the IPC copy moves a 16k-token request with scattered blocks
+Owns: ``GpuPaths`` (the Sender's ``connector.transfer.paths.Paths`` on GPU: taking D's
+offers, choosing per target, starting the copy a ``connector.core.ipc_plan`` plan says),
+``IpcWrite`` (one target's IPC copy as a ``PathWrite``), ``make_offer`` (D: its ``IpcOffer``)
+and ``node_identity``. On one H200 the IPC copy moves a 16k-token request with scattered blocks
 at ~99 % of its contiguous rate where direct descriptors run at ~1 %
 (``python -m bench.gpu_paths``, ``bench/results/h200_gpu_paths.txt``). Where IPC cannot
 apply (another node, the same process, another block geometry, a GPU this process does not
@@ -30,6 +31,7 @@ from connector.core import messages as m
 from connector.core.errors import LayoutError
 from connector.core.events import BlockTable
 from connector.core.heads import HeadRange
+from connector.core.ipc_plan import IpcPlan, Rows, plan_ipc
 from connector.core.layout import KVLayout
 from connector.core.xfer_path import Locality, PathChoice, PathModel, XferPath, choose_path
 from connector.transfer.gpu.ipc import IpcExport, IpcPush, export_rows, import_rows
@@ -117,27 +119,6 @@ def paths_for(
     offer = make_offer(rows, me, rank) if consumer else None  # first: CPU sharing moves storage
     paths = GpuPaths(transport, layout, rows, mode=mode) if producer else None
     return paths, offer
-
-
-@dataclass
-class _Segment:
-    """One copy launch: bytes ``p_cols`` of P's rows ``src`` into ``d_cols`` of D's ``dst``."""
-
-    p_cols: tuple[int, int]
-    d_cols: tuple[int, int]
-    src: list[int]
-    dst: list[int]
-
-
-@dataclass
-class _IpcPlan:
-    segments: list[_Segment]
-    units: int  # copy units (blocks, or the smaller side's blocks when sizes differ)
-    whole: bool  # whole rows on both sides, one launch
-
-    @property
-    def nbytes_per_region(self) -> int:
-        return sum((g.p_cols[1] - g.p_cols[0]) * len(g.src) for g in self.segments)
 
 
 def _columns(rows: RowTable, cols: tuple[int, int]) -> RowTable:
@@ -262,76 +243,19 @@ class GpuPaths:
     # ------------------------------------------------------------------ per target
     def _plan(
         self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange, mapped: _Mapped
-    ) -> _IpcPlan | str:
-        """What an IPC copy to ``reg`` moves (P's heads ``heads``), or why it cannot. Whole
-        block rows where P and D hold the same heads in the same geometry, one launch;
-        otherwise (another TP size, another block size) the contiguous byte runs of each row
-        that move, one launch per run and sub-block position."""
-        lay, d = self.layout, reg.layout
-        if (d.token_bytes, d.region_keys()) != (lay.token_bytes, lay.region_keys()):
-            return "block geometry differs"
-        if mapped.rows.num_regions != self.rows.num_regions:
-            return "mapped rows differ"
-        if len(src_blocks) != 1 or len(reg.block_ids) != 1:
-            return "several KV groups"
-        bp, bd, first = lay.block_size, d.block_size, reg.first_token
-        small = min(bp, bd)
-        if max(bp, bd) % small or first % bd:
-            return "block sizes do not divide"
-        # One unit per `small` tokens: where it is in P's and D's blocks.
-        starts = np.arange(first, reg.num_tokens, small, dtype=np.int64)
-        if starts.size == 0:
-            return _IpcPlan([], 0, True)
-        p_blocks, d_blocks = np.asarray(src_blocks[0]), np.asarray(reg.block_ids[0])
-        p_at, p_sub = np.divmod(starts, bp)
-        d_at, d_sub = np.divmod(starts - first, bd)
-        if int(p_at[-1]) >= p_blocks.size or int(d_at[-1]) >= d_blocks.size:
-            return "block counts differ"
-        if bp == bd and heads == lay.heads == d.heads and d.strides() == lay.strides():
-            if mapped.rows.row_bytes != self.rows.row_bytes:
-                return "mapped rows differ"
-            whole = (0, self.rows.row_bytes)
-            seg = _Segment(whole, whole, p_blocks[p_at].tolist(), d_blocks[d_at].tolist())
-            return _IpcPlan([seg], int(starts.size), True)
-        found = self._runs(lay, d, heads, small)
-        if isinstance(found, str):
-            return found
-        runs, step = found
-        if (self.rows.row_bytes, mapped.rows.row_bytes) != (lay.block_bytes, d.block_bytes):
-            return "mapped rows differ"
-        segments = []
-        p_sub, d_sub = p_sub // small, d_sub // small
-        for ps, ds in sorted(set(zip(p_sub.tolist(), d_sub.tolist(), strict=True))):
-            pick = (p_sub == ps) & (d_sub == ds)
-            src, dst = p_blocks[p_at[pick]].tolist(), d_blocks[d_at[pick]].tolist()
-            for p_off, d_off, length in runs:
-                p_cols = (p_off + ps * step, p_off + ps * step + length)
-                d_cols = (d_off + ds * step, d_off + ds * step + length)
-                segments.append(_Segment(p_cols, d_cols, src, dst))
-        return _IpcPlan(segments, int(starts.size), False)
-
-    @staticmethod
-    def _runs(
-        lay: KVLayout, d: KVLayout, heads: HeadRange, small: int
-    ) -> tuple[list[tuple[int, int, int]], int] | str:
-        """(P offset, D offset, bytes) of each run one unit of ``small`` tokens of ``heads``
-        fills in a block row at sub-block 0, and the bytes sub-block j adds j times."""
-        tb = lay.token_bytes
-        hnd_p, hnd_d = (lay.block_size * tb, tb), (d.block_size * tb, tb)
-        nhd_p, nhd_d = (tb, lay.num_heads * tb), (tb, d.num_heads * tb)
-        if lay.strides() == hnd_p and d.strides() == hnd_d:  # head-major: a run per head
-            runs = [
-                ((h - lay.heads[0]) * hnd_p[0], (h - d.heads[0]) * hnd_d[0], small * tb)
-                for h in range(*heads)
-            ]
-            if lay.block_size == d.block_size:  # consecutive heads are adjacent on both sides
-                runs = [(runs[0][0], runs[0][1], small * tb * len(runs))]
-            return runs, small * tb
-        if lay.strides() == nhd_p and d.strides() == nhd_d:  # token-major
-            if not heads == lay.heads == d.heads:
-                return "another TP size with token-major blocks"
-            return [(0, 0, small * lay.num_heads * tb)], small * lay.num_heads * tb
-        return "block interiors differ"
+    ) -> IpcPlan | str:
+        """What an IPC copy to ``reg`` moves (``connector.core.ipc_plan``), or why not."""
+        return plan_ipc(
+            self.layout,
+            Rows(self.rows.num_regions, self.rows.row_bytes),
+            reg.layout,
+            Rows(mapped.rows.num_regions, mapped.rows.row_bytes),
+            src_blocks,
+            reg.block_ids,
+            reg.first_token,
+            reg.num_tokens,
+            heads,
+        )
 
     def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
         mapped = self._mapped.get(reg.d_addr.agent)
