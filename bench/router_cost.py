@@ -118,17 +118,23 @@ def wait_http_ok(url: str, timeout_s: float) -> None:
 
 
 def segments_ms(traces: list[Trace], prefix: str) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"ingress": [], "handler -> P leg": [], "first byte -> chunk": []}
+    out: dict[str, list[float]] = {
+        "connect": [],
+        "ingress": [],
+        "handler -> P leg": [],
+        "first byte -> chunk": [],
+        "loop lag": [],
+    }
     for t in traces:
-        req, ing, leg, fb = (
-            t.first(s.value)
-            for s in (Span.REQUEST, Span.INGRESS, Span.PREFILL_LEG, Span.FIRST_BYTE)
-        )
+        names = (Span.REQUEST, Span.INGRESS, Span.PREFILL_LEG, Span.FIRST_BYTE, Span.CONNECT)
+        req, ing, leg, fb, conn = (t.first(s.value) for s in names)
         if req is None or not str(req.attr(Attr.REQUEST_ID.value, "")).startswith(prefix):
             continue
         chunk = req.event(Event.FIRST_CHUNK.value)
         handler = ing.end_ns if ing else req.start_ns
-        out["ingress"].append((handler - req.start_ns) / 1e6)
+        out["ingress"].append((handler - (ing.start_ns if ing else req.start_ns)) / 1e6)
+        out["connect"].append((conn.end_ns - conn.start_ns) / 1e6 if conn else 0.0)
+        out["loop lag"].append(float(req.attr(Attr.LOOP_LAG_MS.value, 0.0)))
         if leg:
             out["handler -> P leg"].append((leg.start_ns - handler) / 1e6)
         if fb and chunk:

@@ -427,6 +427,11 @@ def main(argv: list[str]) -> int:
     )
     import uvicorn  # only the serving process needs it
 
+    # The span exporter encodes in a thread of its own; at CPython's 5 ms GIL switch interval
+    # the loop waits up to that long for the GIL each time it wakes meanwhile (loop lag p50
+    # 7-10 ms against 1-4 ms at 0.5 ms with a busy thread: python -m bench.loop_gil).
+    sys.setswitchinterval(0.0005)
+
     from telemetry.schema import Service
     from telemetry.setup import setup_tracing
 
