@@ -54,6 +54,7 @@ class RequestTrace:
         now_ns = time.time_ns()
         self._handler_ns = now_ns
         self._start_ns = min(arrival.start_ns, now_ns) if arrival else now_ns
+        self._first_bytes_ns = min(arrival.first_bytes_ns, now_ns) if arrival else now_ns
         self._start_mono_ns = time.monotonic_ns() - (now_ns - self._start_ns)
         self._fallback = legs.new_traceparent(incoming)
         self._legs: dict[str, tuple[str, int]] = {}  # open legs: role -> (url, sent ns)
@@ -83,8 +84,8 @@ class RequestTrace:
                     Attr.ARRIVAL.value: "server" if arrival else "handler",
                 },
             )
-            first_bytes = min(arrival.first_bytes_ns, now_ns) if arrival else now_ns
-            if arrival is not None and arrival.connected_ns is not None:
+            first_bytes = self._first_bytes_ns
+            if first_bytes > self._start_ns:  # a connection opened for this request
                 emit(
                     tracer,
                     Span.CONNECT,
@@ -120,7 +121,10 @@ class RequestTrace:
 
     def server_timing(self, now_ns: int) -> str:
         """``Server-Timing`` of an answer sent now: the segments the router saw (ms)."""
-        parts = [("ingress", self._handler_ns - self._start_ns)]
+        parts = []
+        if self._first_bytes_ns > self._start_ns:
+            parts.append(("connect", self._first_bytes_ns - self._start_ns))
+        parts.append(("ingress", self._handler_ns - self._first_bytes_ns))
         if self.first_leg_ns:
             parts.append(("router", self.first_leg_ns - self._handler_ns))
         if self.prefill_ns is not None:
