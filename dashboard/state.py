@@ -3,7 +3,8 @@
 Owns: the ``Source`` of a view (a run folder or a Jaeger URL), its defaults (query parameters
 first, then ``streamlit run dashboard/app.py -- --run-dir DIR``, then ``PUSHKV_RUN_DIR`` /
 ``PUSHKV_JAEGER_URL``, then ``runs/latest``), the cached loaders (keyed on the trace files'
-sizes and mtimes, so a growing run reloads and an unchanged one does not), and shareable links.
+sizes and mtimes, so a growing run reloads and an unchanged one does not), a trace asked for
+by id that Jaeger's look-back window left out, and shareable links.
 Loading is cached with ``st.cache_resource``: frames are shared, never copied per rerun, so
 views must not mutate them.
 """
@@ -11,6 +12,7 @@ views must not mutate them.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ from urllib.parse import urlencode
 
 import streamlit as st
 
-from dashboard.data import RunData, load_jaeger, load_run_folder
+from dashboard.data import RunData, analyse, load_jaeger, load_run_folder
 from telemetry import perfetto
+from telemetry.jaeger import JaegerClient
 from telemetry.schema import Service
 from telemetry.traces import find_runs, fingerprint
 
@@ -91,9 +94,38 @@ def load(source: Source) -> RunData:
     return _load_folder(source.location, fingerprint(source.location))
 
 
+# A bare trace id, or a W3C traceparent / traceresponse header (version-id-span-flags).
+_TRACE_ID = re.compile(r"(?:[0-9a-f]{2}-)?([0-9a-f]{32})(?:-[0-9a-f]{16}-[0-9a-f]{2})?")
+
+
+def trace_id_of(text: str | None) -> str | None:
+    """The trace id in what a user pasted (the router's ``traceresponse`` header, a
+    ``traceparent`` or the 32 hex digits alone), lower case; None if there is none."""
+    m = _TRACE_ID.fullmatch((text or "").strip().lower())
+    return m[1] if m and m[1] != "0" * 32 else None
+
+
+@st.cache_resource(ttl=30, max_entries=8, show_spinner="Asking Jaeger for the trace")
+def _with_jaeger_trace(_run: RunData, label: str, url: str, trace_id: str) -> RunData:
+    """``_run`` is not hashed: ``label`` and the id key the cache."""
+    found = JaegerClient(url).get_trace(trace_id)
+    if found is None:
+        return _run
+    return analyse(label, [*_run.traces.values(), found], _run.problems)
+
+
+def with_trace(run: RunData, source: Source, trace_id: str | None) -> RunData:
+    """``run``, plus the trace ``trace_id`` when Jaeger has it but the look-back window (or
+    the cap) left it out: a link to one request opens it whatever its age."""
+    if source.kind != JAEGER or not trace_id or trace_id in run.traces:
+        return run
+    return _with_jaeger_trace(run, run.label, source.location, trace_id)
+
+
 def clear_caches() -> None:
     _load_folder.clear()
     _load_jaeger.clear()
+    _with_jaeger_trace.clear()
 
 
 def run_export(run: RunData) -> str:

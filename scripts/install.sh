@@ -30,13 +30,23 @@ import nixl._api, vllm, torch  # noqa: F401  (fail the install loudly if any is 
 print(f"installed: vllm {version('vllm')}, torch {torch.__version__}, nixl {version('nixl')}")
 PY
 
+# System packages from Debian's apt, where there is one: a machine without apt (or without
+# root) still installs everything above, and the tests that need these skip with the reason.
+apt_install() {
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"
+  else
+    echo "install.sh: no apt-get as root here; not installing: $*" >&2
+  fi
+}
+
 # The dashboard's browser tests drive Debian's chromium through Playwright (no browser download).
 if [ ! -x /usr/bin/chromium ]; then
-  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+  apt_install chromium
 fi
 
 # The metrics tests: Debian's Prometheus scrapes P, D and the router (tests/e2e/test_metrics_e2e.py)
 # and its promtool parses the Grafana board's queries. Installed, not started.
 if ! command -v prometheus >/dev/null; then
-  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus
+  apt_install --no-install-recommends prometheus
 fi

@@ -236,6 +236,11 @@ class Metric(str, Enum):
     ROUTER_LOOP_LAG = "pushkv_router_loop_lag_seconds"
 
 
+# The exemplar label of the router's latency histograms: the request's trace id (hex), which
+# Grafana's exemplar links and Prometheus' /api/v1/query_exemplars name.
+EXEMPLAR_TRACE_ID: Final = "trace_id"
+
+
 class MetricLabel(str, Enum):
     """Labels of pushkv's metrics beyond vLLM's own."""
 

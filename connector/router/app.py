@@ -193,6 +193,7 @@ class ProxyEndpoint:
                     first_leg_ns=trace.first_leg_ns,
                     first_chunk_ns=trace.first_chunk_ns,
                     end_ns=time.time_ns(),
+                    trace_id=trace.trace_id,
                 )
             except Exception:  # telemetry must never break serving
                 logger.exception("Ending the request's spans or metrics failed")
@@ -387,8 +388,8 @@ def create_app(
     async def stats(_request: Request) -> Response:
         return JSONResponse(state.stats())
 
-    async def metrics(_request: Request) -> Response:
-        body, ctype = state.metrics.render()
+    async def metrics(request: Request) -> Response:
+        body, ctype = state.metrics.render(request.headers.get("accept", ""))
         return Response(body, media_type=ctype)
 
     def rejected() -> None:

@@ -5,7 +5,9 @@ test process never collide). Requests, legs and the latency histograms are recor
 they end (``RequestTrace`` calls ``leg_ended``, the endpoint ``request_ended``); retries,
 degraded attempts, backends' health and outstanding legs are read from the router's own
 state when scraped, so serving pays nothing for them. Names, kinds and labels come from
-``telemetry.schema.METRICS``.
+``telemetry.schema.METRICS``. The TTFT and end-to-end histograms carry the request's trace
+id as an exemplar (``trace_id``), served when the scraper asks for OpenMetrics (Prometheus
+with exemplar storage does): a slow bucket then links to one request that landed in it.
 """
 
 from __future__ import annotations
@@ -14,18 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from connector.router.policy import Health
-from telemetry.schema import METRICS, Metric, Outcome
+from telemetry.schema import EXEMPLAR_TRACE_ID, METRICS, Metric, Outcome
 
 if TYPE_CHECKING:
     from connector.router.app import RouterState
@@ -133,20 +130,25 @@ class RouterMetrics:
         first_leg_ns: int,
         first_chunk_ns: int,
         end_ns: int,
+        trace_id: str | None = None,
     ) -> None:
+        """``trace_id``: the request's (hex), kept as the latency histograms' exemplar."""
         outcome = request_outcome(status, error)
         self._requests.labels(self.mode, outcome).inc()
         if first_leg_ns:
             self._observe(Metric.ROUTER_OVERHEAD, first_leg_ns - start_ns)
         if outcome != Outcome.OK.value:
             return
+        exemplar = {EXEMPLAR_TRACE_ID: trace_id} if trace_id else None
         if first_chunk_ns:
-            self._observe(Metric.ROUTER_TTFT, first_chunk_ns - start_ns)
-        self._observe(Metric.ROUTER_E2E, end_ns - start_ns)
+            self._observe(Metric.ROUTER_TTFT, first_chunk_ns - start_ns, exemplar)
+        self._observe(Metric.ROUTER_E2E, end_ns - start_ns, exemplar)
 
-    def _observe(self, metric: Metric, ns: int) -> None:
-        self._hist[metric].labels(self.mode).observe(max(ns, 0) / 1e9)
+    def _observe(self, metric: Metric, ns: int, exemplar: dict[str, str] | None = None) -> None:
+        self._hist[metric].labels(self.mode).observe(max(ns, 0) / 1e9, exemplar)
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition and its content type: OpenMetrics (with exemplars) when ``accept``,
+        the scraper's Accept header, asks for it, else Prometheus' text format."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.data import OK, RunData
-from dashboard.state import share_link, trace_export
+from dashboard.state import share_link, trace_export, trace_id_of
 from dashboard.views import chart
 from dashboard.views.waterfall import row_labels, waterfall_figure
 from telemetry.critical_path import CriticalPath, Seg
@@ -65,8 +65,16 @@ def _filters(df: pd.DataFrame, label: str) -> pd.DataFrame:
 def _initial_trace(run: RunData, options: list[str]) -> str:
     """From the link (``trace=`` or ``req=``), else the first request needing attention."""
     q = st.query_params
-    if q.get(TRACE_KEY) in options:
-        return str(q[TRACE_KEY])
+    wanted = trace_id_of(q.get(TRACE_KEY))
+    if wanted in options:
+        return str(wanted)
+    if q.get(TRACE_KEY):
+        why = (
+            "its traces have no router request span"
+            if wanted in run.traces
+            else "it is not among the traces loaded (sampled out, or another source)"
+        )
+        st.warning(f"Trace `{q[TRACE_KEY]}` is not a request of `{run.label}`: {why}.")
     if q.get("req"):
         hit = run.requests.loc[run.requests["request_id"] == q["req"], "trace_id"]
         if len(hit):

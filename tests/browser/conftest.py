@@ -20,9 +20,12 @@ import pytest
 
 from connector.transport.ports import free_port
 from dashboard.launch import command
-from tests.fixtures.traces import run_dirs
+from tests.fixtures.traces import HERE
 
 CHROMIUM = Path("/usr/bin/chromium")
+# What ``streamlit run`` serves when a link names no run: traces recorded from real vLLM
+# (router, P and D), so a bare ``/?trace=<id>`` opens a whole push request.
+LAUNCH_RUN = HERE / "real-push"
 START_TIMEOUT_S = 90  # a loaded 2-core box can take tens of seconds to import streamlit
 
 
@@ -62,7 +65,7 @@ def dashboard_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("streamlit") / "streamlit.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(command(run_dirs()[0], port), stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command(LAUNCH_RUN, port), stdout=fh, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)

@@ -1,4 +1,5 @@
-"""The dashboard in a real headless Chromium: the waterfall and the decomposition render."""
+"""The dashboard in a real headless Chromium: the waterfall and the decomposition render, and
+a response's trace id (a link or the pasted ``traceresponse``) opens that request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from dashboard.data import load_run_folder
 from dashboard.views import chart
+from telemetry.schema import Service
+from tests.browser.conftest import LAUNCH_RUN
 from tests.fixtures.traces import run_dirs, run_ids
 
 pytestmark = pytest.mark.browser
@@ -153,6 +156,59 @@ def test_span_labels_fit_and_no_deploy_button(dashboard_url: str, browser, tmp_p
         )
         assert page.get_by_text("Deploy", exact=True).count() == 0, "Streamlit's Deploy button"
         page.screenshot(path=str(tmp_path / "labels.png"), full_page=True)
+        assert not errors, errors
+    finally:
+        page.close()
+
+
+def _push_request_not_shown_first() -> tuple[str, str, int]:
+    """(trace id, request id, bars of its waterfall) of a push request with P's and D's
+    spans that the page does not open by itself."""
+    data = load_run_folder(LAUNCH_RUN)
+    for _, row in data.requests.iloc[1:].iterrows():
+        trace, path = data.traces[row["trace_id"]], data.paths[row["trace_id"]]
+        services = {sp.resource.get("service.name") for sp in trace.spans}
+        if path and {Service.PREFILL.value, Service.DECODE.value} <= services:
+            return row["trace_id"], row["request_id"], len(trace.spans) + len(path.segments)
+    raise AssertionError(f"{LAUNCH_RUN} has no push request with P's and D's spans")
+
+
+def test_a_trace_id_in_the_url_opens_that_request(
+    dashboard_url: str,
+    browser,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    trace_id, request_id, bars = _push_request_not_shown_first()
+    # the link the docs and Grafana's exemplars give: the trace id alone, no run named
+    page, errors = _open(browser, f"{dashboard_url}/?trace={trace_id}", tmp_path, "url")
+    try:
+        page.get_by_text(f"Critical path: {request_id}").wait_for(timeout=WAIT_MS)
+        drawn = page.locator(".js-plotly-plot .barlayer .point path")
+        drawn.first.wait_for(timeout=WAIT_MS)
+        assert drawn.count() == bars, "the waterfall of that request: its spans and segments"
+        page.wait_for_url(f"**trace={trace_id}**", timeout=WAIT_MS)
+        page.screenshot(path=str(tmp_path / "by-trace-id.png"), full_page=True)
+        assert not errors, errors
+    finally:
+        page.close()
+
+
+def test_a_pasted_traceresponse_opens_that_request(
+    dashboard_url: str,
+    browser,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    trace_id, request_id, _ = _push_request_not_shown_first()
+    first = load_run_folder(LAUNCH_RUN).requests.iloc[0]["request_id"]
+    page, errors = _open(browser, f"{dashboard_url}/?view=decomposition", tmp_path, "paste")
+    try:
+        page.get_by_text("TTFT decomposition", exact=True).first.wait_for(timeout=WAIT_MS)
+        box = page.get_by_role("textbox", name="Open a trace id")
+        box.fill(f"00-{trace_id}-00f067aa0ba902b7-01")  # as the router's header has it
+        box.press("Enter")
+        page.get_by_text(f"Critical path: {request_id}").wait_for(timeout=WAIT_MS)
+        page.wait_for_url(f"**trace={trace_id}**", timeout=WAIT_MS)
+        assert page.get_by_text(f"Critical path: {first}").count() == 0
         assert not errors, errors
     finally:
         page.close()

@@ -4,8 +4,9 @@ hooks) and the router's, scraped before and after a few requests through the rou
 Every request served by push is one transfer on each side: the transfer histograms and the
 ``done`` counters grow by exactly the number of requests, the router counts them ok with a
 TTFT each, and the gauges of pending work are back at zero once the stack is idle. Failures
-count by outcome and reason. A real Prometheus (Debian's package) scrapes all three and
-answers every query of the Grafana board.
+count by outcome and reason. A real Prometheus (Debian's package) scrapes all three,
+answers every query of the Grafana board and keeps the router's exemplars: the trace ids of
+the responses, as the board's exemplar links use them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import yaml
 
 from connector.tools.pdstack import metric_sum
 from connector.tools.stack import free_port
+from telemetry.schema import EXEMPLAR_TRACE_ID, Metric
 from tests.unit.dashboard.test_metrics_board import board_queries
 
 if TYPE_CHECKING:
@@ -181,6 +183,7 @@ def test_a_real_prometheus_answers_every_board_query(pd: Pd, tmp_path: Path) -> 
             f"--config.file={tmp_path / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp_path / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
+            "--enable-feature=exemplar-storage",  # as compose.yaml runs it
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -189,12 +192,17 @@ def test_a_real_prometheus_answers_every_board_query(pd: Pd, tmp_path: Path) -> 
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, trust_env=False) as prom:
             _wait_ready(prom, proc)
             rng = random.Random(2525)
+            start = time.time()
+            trace_ids = set()
             for i in range(REQUESTS):
                 prompt = [rng.randrange(3, 4096) for _ in range(150 + i)]
                 stream = bool(i % 2)
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": stream}
-                assert pd.router.post("/v1/completions", json=body).status_code == 200
+                r = pd.router.post("/v1/completions", json=body)
+                assert r.status_code == 200
+                trace_ids.add(r.headers["traceresponse"].split("-")[1])
             results = _settled_queries(prom)
+            exemplars = _exemplar_trace_ids(prom, start)
     finally:
         proc.terminate()
         try:
@@ -208,6 +216,32 @@ def test_a_real_prometheus_answers_every_board_query(pd: Pd, tmp_path: Path) -> 
     empty = [q for q, r in results.items() if not r["data"]["result"]]
     unexpected = [q for q in empty if not any(m in q for m in MAY_BE_EMPTY)]
     assert not unexpected, f"board queries without data after a workload: {unexpected}"
+    assert exemplars and exemplars <= trace_ids, (
+        f"the TTFT histogram's exemplars {exemplars} are not the responses' {trace_ids}"
+    )
+
+
+def _exemplar_trace_ids(prom: httpx.Client, start: float) -> set[str]:
+    """The trace ids of the router TTFT histogram's exemplars stored since ``start``
+    (bounded wait: they arrive with the next scrape)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        params = {
+            "query": f"{Metric.ROUTER_TTFT.value}_bucket",
+            "start": start - 1,
+            "end": time.time() + 1,
+        }
+        answer = prom.get("/api/v1/query_exemplars", params=params).json()
+        assert answer["status"] == "success", answer
+        found = {
+            e["labels"][EXEMPLAR_TRACE_ID]
+            for series in answer["data"]
+            for e in series["exemplars"]
+            if EXEMPLAR_TRACE_ID in e["labels"]
+        }
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def _wait_ready(prom: httpx.Client, proc: subprocess.Popen[bytes]) -> None:

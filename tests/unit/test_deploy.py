@@ -21,6 +21,7 @@ import yaml
 
 from connector.config import parse_config
 from connector.router.config import parse_args
+from tests.unit.test_otel_collector import resolve
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="the test extra's kubernetes-validate is not installed"
@@ -193,7 +194,11 @@ def test_probes_and_the_trace_path(tree: Path) -> None:
         if c["image"].startswith("pushkv-server"):  # P, D, the router: spans to the collector
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://pushkv-otel-collector:4318"
     cm = _one(docs, "ConfigMap", "pushkv-otel-collector")
-    collector = yaml.safe_load(cm["data"]["config.yaml"])
+    (col,) = _one(docs, "Deployment", "pushkv-otel-collector")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = {e["name"]: e["value"] for e in col["env"]}
+    collector = resolve(yaml.safe_load(cm["data"]["config.yaml"]), env)  # the ${env:...} knobs
     assert collector["exporters"]["otlp"]["endpoint"] == "pushkv-jaeger:4317"
     ports = {p["port"] for p in _one(docs, "Service", "pushkv-jaeger")["spec"]["ports"]}
     assert 4317 in ports

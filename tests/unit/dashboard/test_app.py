@@ -211,3 +211,43 @@ def test_segment_table_shows_milliseconds_and_shares_with_sensible_precision() -
     assert columns["ms"]["type_config"]["format"] == "%.3f"
     assert columns["start_ms"]["type_config"]["format"] == "%.3f"
     assert columns["share_%"]["type_config"]["format"] == "%.1f %%"
+
+
+def _an_ok_request_not_shown_first(run_dir: Path) -> tuple[str, str]:
+    data = load_run_folder(run_dir)
+    ok = data.requests[data.requests["outcome"] == "ok"].iloc[-1]
+    assert ok["trace_id"] != data.requests.iloc[0]["trace_id"]
+    return str(ok["trace_id"]), str(ok["request_id"])
+
+
+def test_pasting_a_traceresponse_opens_that_request() -> None:
+    trace_id, request_id = _an_ok_request_not_shown_first(HERE / "gen-push")
+    at = run_app(run=str(HERE / "gen-push"), view="decomposition")
+    at.text_input(key="open_trace").set_value(f" 00-{trace_id.upper()}-00f067aa0ba902b7-01 ").run()
+    assert not at.exception and not at.sidebar.error
+    assert request_id in at.subheader[0].value
+    assert at.query_params["trace"] == trace_id and at.query_params["view"] == "requests"
+    # the box opened it once: a request chosen afterwards stays chosen
+    at.selectbox(key="trace").select_index(0).run()
+    other = at.selectbox(key="trace").value
+    assert at.query_params["trace"] == other != trace_id
+
+
+def test_a_pasted_non_id_says_so() -> None:
+    at = run_app(run=str(HERE / "gen-push"))
+    at.text_input(key="open_trace").set_value("cmpl-42").run()
+    assert "Not a trace id" in at.sidebar.error[0].value
+
+
+def test_a_link_to_a_trace_not_in_the_source_says_so() -> None:
+    at = run_app(run=str(HERE / "gen-push"), trace="ab" * 16)
+    assert any("ab" * 16 in w.value and "not among the traces" in w.value for w in at.warning)
+    assert at.query_params["trace"] == at.dataframe[0].value["trace_id"].iloc[0]
+
+
+def test_a_link_opens_a_jaeger_trace_older_than_the_window(jaeger: FakeJaeger) -> None:
+    trace_id, request_id = _an_ok_request_not_shown_first(HERE / "gen-push")
+    at = run_app(jaeger=jaeger.url, lookback="1", trace=trace_id)  # fixtures are older
+    assert not at.error, [e.value for e in at.error]
+    assert request_id in at.subheader[0].value
+    assert f"/api/v3/traces/{trace_id}?raw_traces=true" in jaeger.requests

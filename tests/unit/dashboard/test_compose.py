@@ -1,4 +1,5 @@
-"""compose.yaml: Jaeger v2 pinned and health-checked; the dashboard built here waits for it."""
+"""compose.yaml: Jaeger v2 pinned and health-checked behind the OpenTelemetry Collector
+(tests/unit/test_otel_collector.py checks that part); the dashboard built here waits for it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ def _check(cfg: dict) -> None:
     assert jaeger["image"].endswith("jaegertracing/jaeger:2.15.0")
     assert jaeger["healthcheck"]["test"]
     published = {str(p.get("published", p) if isinstance(p, dict) else p) for p in jaeger["ports"]}
-    for port in ("16686", "4317", "4318"):
-        assert any(port in p for p in published), port
-    for svc in (jaeger, dash):
-        for p in svc["ports"]:
+    assert any("16686" in p for p in published)
+    for svc in cfg["services"].values():
+        for p in svc.get("ports", []):
             host_ip = p.get("host_ip") if isinstance(p, dict) else p.split(":")[0]
             assert host_ip == "127.0.0.1", f"port published beyond loopback: {p}"
     assert dash["depends_on"]["jaeger"]["condition"] == "service_healthy"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from telemetry.schema import METRICS
+from telemetry.schema import EXEMPLAR_TRACE_ID, METRICS, Metric
 from tests.unit.dashboard.test_compose import COMPOSE, ROOT, _compose_cmd
 
 BOARD = ROOT / "compose" / "grafana" / "dashboards" / "pushkv.json"
@@ -102,6 +102,32 @@ def test_the_board_is_a_provisionable_grafana_dashboard() -> None:
     ds = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
     assert ds["datasources"][0]["uid"] == "prometheus"
     assert ds["datasources"][0]["url"] == "http://127.0.0.1:9090"
+
+
+def test_latency_panels_show_exemplars_that_link_to_the_request() -> None:
+    board = json.loads(BOARD.read_text())
+    latency = (Metric.ROUTER_TTFT.value, Metric.ROUTER_E2E.value)
+    with_exemplars = {
+        m
+        for p in board["panels"]
+        for t in p.get("targets", [])
+        if t.get("exemplar")
+        for m in latency
+        if m in t["expr"]
+    }
+    assert with_exemplars == set(latency), "TTFT and end-to-end panels show exemplars"
+    provisioning = ROOT / "compose" / "grafana" / "provisioning" / "datasources"
+    (ds,) = yaml.safe_load((provisioning / "prometheus.yml").read_text())["datasources"]
+    links = ds["jsonData"]["exemplarTraceIdDestinations"]
+    assert {d["name"] for d in links} == {EXEMPLAR_TRACE_ID}, "the router's exemplar label"
+    # `$$` survives Grafana's environment expansion of provisioning files as one `$`
+    urls = {d["url"] for d in links}
+    assert urls == {
+        "http://127.0.0.1:8501/?trace=$${__value.raw}",  # dashboard.views.requests' link
+        "http://127.0.0.1:16686/trace/$${__value.raw}",
+    }
+    prom = yaml.safe_load(COMPOSE.read_text())["services"]["prometheus"]
+    assert "--enable-feature=exemplar-storage" in prom["command"]
 
 
 def test_prometheus_scrapes_p_d_and_the_router() -> None:

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from dashboard.launch import command
-from dashboard.state import ENV_JAEGER_URL, ENV_RUN_DIR, JAEGER, RUN, cli_run_dir, default_source
+from dashboard.state import (
+    ENV_JAEGER_URL,
+    ENV_RUN_DIR,
+    JAEGER,
+    RUN,
+    cli_run_dir,
+    default_source,
+    trace_id_of,
+)
 from dashboard.views.waterfall import PATH_ROW, waterfall_figure
 from telemetry.critical_path import critical_path
 from telemetry.perfetto import chrome_trace
@@ -104,3 +112,26 @@ def test_no_deploy_button_however_the_dashboard_is_started(tmp_path: Path) -> No
     cfg = tomllib.loads((root / ".streamlit" / "config.toml").read_text())
     assert cfg["client"]["toolbarMode"] == "minimal"
     assert '"--client.toolbarMode", "minimal"' in (root / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("4bf92f3577b34da6a3ce929d0e0e4736", "4bf92f3577b34da6a3ce929d0e0e4736"),
+        (
+            " 00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01\n",
+            "4bf92f3577b34da6a3ce929d0e0e4736",
+        ),
+        (
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+            "4bf92f3577b34da6a3ce929d0e0e4736",
+        ),
+        ("0" * 32, None),
+        ("4bf92f3577b34da6a3ce929d0e0e473", None),
+        ("cmpl-00042", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_trace_id_of_takes_an_id_or_a_traceresponse(text: str | None, want: str | None) -> None:
+    assert trace_id_of(text) == want

@@ -7,10 +7,13 @@ import json
 import re
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from connector.router.relay import TraceStamp
-from telemetry.schema import METRICS, Metric
+from telemetry.schema import EXEMPLAR_TRACE_ID, METRICS, Metric
 from tests.unit.router.conftest import Cluster, MakeCluster
 
 pytestmark = pytest.mark.anyio
@@ -123,6 +126,29 @@ async def test_a_streams_closing_event_carries_the_trace_id(cluster: MakeCluster
     parsed = [json.loads(e) for e in events[:-1]]
     assert [e.get("pushkv_trace_id") for e in parsed] == [None, trace_id, trace_id]
     assert parsed[1]["choices"][0]["text"] == "lo", "the event is otherwise unchanged"
+
+
+async def test_latency_histograms_carry_the_trace_id_as_an_exemplar(cluster: MakeCluster) -> None:
+    c = await cluster()
+    r = await c.client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200
+    await c.background_done()
+    trace_id = r.headers["traceresponse"].split("-")[1]
+    om = await c.client.get("/metrics", headers={"accept": "application/openmetrics-text"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    exemplars = {
+        s.name: s.exemplar
+        for fam in openmetrics_families(om.text)
+        for s in fam.samples
+        if s.exemplar is not None
+    }
+    for name in (Metric.ROUTER_TTFT.value, Metric.ROUTER_E2E.value):
+        buckets = [e for n, e in exemplars.items() if n == f"{name}_bucket"]
+        assert buckets, f"{name}: no exemplar in {sorted(exemplars)}"
+        assert buckets[0].labels == {EXEMPLAR_TRACE_ID: trace_id}, "the response's trace"
+    assert Metric.ROUTER_OVERHEAD.value + "_bucket" not in exemplars
+    plain = await c.client.get("/metrics")  # Prometheus' text format has no exemplars
+    assert plain.headers["content-type"].startswith("text/plain") and "# {" not in plain.text
 
 
 def test_trace_stamp_passes_whole_events_at_once_and_holds_only_a_partial_one() -> None:
