@@ -290,6 +290,12 @@ def _git_commit() -> str | None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pushkv bench", description=__doc__.split("\n")[0])
     p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="input length x request rate against one plain instance, with figures: "
+        "its own flags (pushkv bench --sweep --help; connector/tools/bench/sweep.py)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke test: concurrency 4 only, 12 prompts, push and vllm-push only",
@@ -381,7 +387,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (e.g. from `timeout`) must still stop the stacks: turn it into SystemExit so
     # that every finally block runs (Python's default SIGTERM action skips them).
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--sweep" in argv:  # a command of its own, with its own flags
+        from connector.tools.bench import sweep
+
+        return sweep.main([a for a in argv if a != "--sweep"])
+    args = parse_args(argv)
     if args.rerender is not None:
         return rerender(args.rerender.resolve())
     workload = _workload(args)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,10 +166,15 @@ class BenchStack(PdStack):
 
 
 def make_stack(
-    config: BenchConfig, model: Path, run_dir: Path, pin_servers: bool = True
+    config: BenchConfig,
+    model: Path,
+    run_dir: Path,
+    pin_servers: bool = True,
+    server_args: Sequence[str] = (),
 ) -> BenchStack:
     """The stack for ``config``: logs go to ``run_dir`` (one file per process);
-    ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``)."""
+    ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``);
+    ``server_args``: appended to both vLLM command lines (e.g. a longer context)."""
     return BenchStack(
         model,
         run_dir,
@@ -179,6 +184,7 @@ def make_stack(
         module_path_override=config.module_path,
         tracing=config.tracing,
         pin_servers=pin_servers,
+        server_args=tuple(server_args),
     )
 
 
