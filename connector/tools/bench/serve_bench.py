@@ -55,10 +55,10 @@ from connector.tools.bench.stacks import (
     QUICK_CONFIGS,
     BenchConfig,
     BenchStack,
-    busy_ports,
-    check_stopped,
     make_stack,
+    on_free_ports,
     other_vllm_pids,
+    stop_and_check,
     wait_for_quiet_machine,
 )
 from connector.tools.bench.vllm_bench import (
@@ -121,14 +121,7 @@ def _start(
     config: BenchConfig, model: Path, run_dir: Path, log: Log, pin_servers: bool
 ) -> BenchStack:
     """A stack whose ports are all free right now, started and healthy (or ServerError)."""
-    for _ in range(3):
-        stack = make_stack(config, model, run_dir, pin_servers)
-        busy = busy_ports(stack.ports())
-        if not busy:
-            break
-        log(f"[{config.name}] ports taken before start: {busy}; picking new ones")
-    else:
-        raise ServerError(f"no free ports after 3 tries (last busy: {busy})")
+    stack = on_free_ports(lambda: make_stack(config, model, run_dir, pin_servers), log, config.name)
     log(f"[{config.name}] starting ({config.description}); ports {stack.ports()}")
     try:
         stack.start(STACK_START_TIMEOUT_S)
@@ -145,19 +138,7 @@ def _start(
 
 
 def _stop(config: BenchConfig, stack: BenchStack, log: Log) -> None:
-    leaders, ports = stack.group_leaders(), stack.ports()
-    try:
-        stack.stop()
-    except ServerError as exc:
-        log(f"[{config.name}] stop reported: {exc}")
-    check = check_stopped(leaders, ports)
-    if check.clean:
-        log(f"[{config.name}] stopped: process groups {leaders} gone, ports free")
-    else:
-        log(
-            f"[{config.name}] WARNING after stop: live pids {check.live_pids}, "
-            f"busy ports {check.busy}"
-        )
+    stop_and_check(config.name, stack, log)
 
 
 def _foreign_vllm(stack: BenchStack) -> list[int]:

@@ -37,20 +37,23 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from connector.tools.bench import sweep_points, trace_slices
+from connector.tools.bench.serve_bench import NOPROG_MARKER
 from connector.tools.bench.single import SINGLE, SINGLE_DESCRIPTION, SingleStack
-from connector.tools.bench.stacks import CONFIGS, busy_ports, check_stopped, make_stack
+from connector.tools.bench.stacks import CONFIGS, make_stack, on_free_ports, stop_and_check
 from connector.tools.bench.sweep_points import Point, SweepPlan
 from connector.tools.bench.vllm_bench import RunFailure, Workload, bench_command, run_bench_serve
 from connector.tools.stack import ServerError
 from connector.tools.tinymodel import MODELS, kv_bytes_per_token, make_tiny_model
 
+# The ideal and the fair comparison first: if --max-minutes runs out, what is left for a
+# resumed run is vLLM's busy-polling default configurations.
 DEFAULT_CONFIGS = (
     SINGLE,
     "push",
-    "vllm-push-noprog",
     "vllm-pull-noprog",
-    "vllm-push",
+    "vllm-push-noprog",
     "vllm-pull",
+    "vllm-push",
 )
 # --smoke: the 2 x 2 sweep CI runs (tests/e2e/test_sweep_smoke.py).
 SMOKE_LENGTHS: tuple[int, ...] = (64, 256)
@@ -63,7 +66,6 @@ WARMUP_PROMPTS = 4
 # KV room for this many requests of the longest length in flight (the cache of a tiny model).
 KV_ROOM_REQUESTS = 16
 MIN_KV_BYTES = 256 << 20
-NOPROG_MARKER = "NIXL agents default to enable_prog_thread=False"  # = vllm_noprog.PATCHED_MARKER
 
 Log = Callable[[str], None]
 _now = time.monotonic  # the sweep's clock (a test's fake one leaves other modules alone)
@@ -90,11 +92,17 @@ class Setup:
     server_args: tuple[str, ...]
     pin_servers: bool
     run_dir: Path
-    deadline: float  # time.monotonic() by which the sweep ends
+    deadline: float  # _now() by which the sweep ends
+    warmup: bool = True
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pushkv bench --sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="pushkv bench --sweep",
+        description="Input length x open-loop request rate (Poisson arrivals), per "
+        "configuration, against one plain vLLM instance: results, TTFT decompositions and "
+        "figures in one run folder (docs/benchmarks.md).",
+    )
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -114,18 +122,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"{' or '.join(MODELS)} (built locally) or a model directory (default: tiny-kv, "
         "32 KiB of KV per token)",
     )
-    p.add_argument("--lengths", nargs="+", type=int, default=None, metavar="TOKENS")
-    p.add_argument("--rates", nargs="+", type=float, default=None, metavar="REQ_PER_S")
+    p.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="default 128 512 2048",
+    )
+    p.add_argument(
+        "--rates", nargs="+", type=float, default=None, metavar="REQ_PER_S", help="default 1 2 4 8"
+    )
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument(
         "--point-s",
         type=float,
         default=None,
         help="seconds of arrivals per point: a point sends rate x this many prompts "
-        "(default 10; clamped to --min-prompts and --max-prompts)",
+        "(default 8; clamped to --min-prompts and --max-prompts)",
     )
-    p.add_argument("--min-prompts", type=int, default=10)
-    p.add_argument("--max-prompts", type=int, default=240)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--max-prompts", type=int, default=64)
     p.add_argument(
         "--max-concurrency",
         type=int,
@@ -143,6 +160,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--server-args",
         default="",
         help="more vLLM flags for every server, one string (e.g. on a GPU host)",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{WARMUP_PROMPTS} closed-loop requests of the longest length on each stack "
+        "before its points (default: on, off with --smoke)",
     )
     p.add_argument("--pin-servers", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
@@ -170,7 +194,7 @@ def make_plan(args: argparse.Namespace) -> SweepPlan:
         tuple(lengths),
         tuple(rates),
         output_len=args.output_len,
-        point_s=args.point_s or (3.0 if args.smoke else 10.0),
+        point_s=args.point_s or (3.0 if args.smoke else 8.0),
         min_prompts=12 if args.smoke else args.min_prompts,
         max_prompts=args.max_prompts,
         cap=args.max_concurrency,
@@ -230,12 +254,7 @@ def _make(name: str, setup: Setup, cfg_dir: Path) -> SweepStack:
 
 def _start(name: str, setup: Setup, cfg_dir: Path, log: Log) -> SweepStack:
     """A stack on ports free right now, started and healthy (or ServerError)."""
-    for _ in range(3):
-        stack = _make(name, setup, cfg_dir)
-        if not (busy := busy_ports(stack.ports())):
-            break
-    else:
-        raise ServerError(f"no free ports after 3 tries (last busy: {busy})")
+    stack = on_free_ports(lambda: _make(name, setup, cfg_dir), log, name)
     log(f"[{name}] starting; ports {stack.ports()}")
     try:
         stack.start(STACK_START_TIMEOUT_S)
@@ -251,17 +270,7 @@ def _start(name: str, setup: Setup, cfg_dir: Path, log: Log) -> SweepStack:
 
 
 def _stop(name: str, stack: SweepStack, log: Log) -> None:
-    leaders, ports = stack.group_leaders(), stack.ports()
-    try:
-        stack.stop()
-    except ServerError as exc:
-        log(f"[{name}] stop reported: {exc}")
-    check = check_stopped(leaders, ports)
-    log(
-        f"[{name}] stopped: process groups {leaders} gone, ports free"
-        if check.clean
-        else f"[{name}] WARNING after stop: live pids {check.live_pids}, busy {check.busy}"
-    )
+    stop_and_check(name, stack, log)
 
 
 # --- points ---------------------------------------------------------------------------------
@@ -365,7 +374,7 @@ def run_config(
             advance(f"{name} {point.name} failed")
         return
     try:
-        if (failure := _warm_up(setup, stack, cfg_dir)) is not None:
+        if setup.warmup and (failure := _warm_up(setup, stack, cfg_dir)) is not None:
             log(f"[{name}] warm-up failed: {failure.reason}")
         trace_slices.wait_quiet(cfg_dir)  # the warm-up's spans stay out of the first point
         for index, point in enumerate(todo):
@@ -465,12 +474,14 @@ def main(argv: Sequence[str]) -> int:
         args.pin_servers,
         run_dir,
         _now() + args.max_minutes * 60.0,
+        args.warmup if args.warmup is not None else not args.smoke,
     )
     meta = _meta(argv, setup, configs)
     todo = {
         n: [p for p in plan.points() if not sweep_points.is_done(run_dir, n, p)] for n in configs
     }
     total = sum(len(v) for v in todo.values())
+    records: list[dict[str, Any]] | None = None
     with _console(run_dir, total) as (log, advance):
         log(
             f"sweep {run_dir}: configs {configs}; lengths {plan.lengths}; rates {plan.rates}/s; "
@@ -489,8 +500,9 @@ def main(argv: Sequence[str]) -> int:
             description = SINGLE_DESCRIPTION if name == SINGLE else CONFIGS[name].description
             log(f"[{name}] {description}")
             run_config(name, setup, todo[name], log, advance)
-            _publish(run_dir, meta, log)
-        records = _publish(run_dir, meta, log)
+            records = _publish(run_dir, meta, log)
+        if records is None:  # no stack ran: publish what the folder holds
+            records = _publish(run_dir, meta, log)
     complete = {(r["config"], r["point"]) for r in records if r["ok"]}
     wanted = {(n, p.name) for n in configs for p in plan.points()}
     return 0 if wanted <= complete else 1

@@ -60,9 +60,9 @@ class SweepPlan:
     lengths: tuple[int, ...]
     rates: tuple[float, ...]
     output_len: int = 32
-    point_s: float = 10.0
-    min_prompts: int = 12
-    max_prompts: int = 240
+    point_s: float = 8.0
+    min_prompts: int = 8
+    max_prompts: int = 64
     cap: int = 64
     seed: int = 0
 
