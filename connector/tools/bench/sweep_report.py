@@ -97,6 +97,24 @@ def decomposition_tables(points: Sequence[dict[str, Any]], configs: Sequence[str
     return out
 
 
+def tracing_lines(points: Sequence[dict[str, Any]]) -> list[str]:
+    """Per point where both ran: push (every request traced) against push-notrace."""
+    on = {_key(p): p["metrics"] for p in points if p["config"] == "push"}
+    off = {_key(p): p["metrics"] for p in points if p["config"] == "push-notrace"}
+    lines = []
+    for key in sorted(on.keys() & off.keys()):
+        a, b = on[key], off[key]
+        parts = []
+        for metric, label in (("median_ttft_ms", "TTFT p50"), ("mean_tpot_ms", "mean TPOT")):
+            if a.get(metric) and b.get(metric):
+                parts.append(
+                    f"{label} {a[metric]:.1f} / {b[metric]:.1f} ms "
+                    f"({(a[metric] - b[metric]) / b[metric]:+.1%})"
+                )
+        lines.append(f"- {key[0]} tokens, {key[1]:g} req/s: " + "; ".join(parts or ["n/a"]))
+    return lines
+
+
 def markdown(data: dict[str, Any]) -> str:
     plan, points = data.get("plan", {}), data.get("points", [])
     configs = data.get("configs", [])
@@ -132,4 +150,7 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         *decomposition_tables(points, configs),
     ]
+    if tracing := tracing_lines(points):
+        parts += ["## Tracing's cost (push, every request traced, against push-notrace)", ""]
+        parts += tracing
     return "\n".join(parts).rstrip() + "\n"

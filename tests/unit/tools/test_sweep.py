@@ -177,6 +177,14 @@ def test_the_report_shows_the_gap_to_single_and_each_points_decomposition() -> N
         and "| req/s | config | traced | TTFT p50 ms | P prefill |" in text
     )
     assert "8 of 8 points completed every request" in text
+    assert "Tracing's cost" not in text  # no push-notrace in this sweep
+    notrace = [dict(r, config="push-notrace") for r in _records() if r["config"] == "push"]
+    for r in notrace:
+        r["metrics"] = {**r["metrics"], "median_ttft_ms": r["metrics"]["median_ttft_ms"] / 1.25}
+    text = sweep_report.markdown(
+        {"configs": ["push", "push-notrace"], "points": _records() + notrace}
+    )
+    assert "- 128 tokens, 1 req/s: TTFT p50 25.0 / 20.0 ms (+25.0%)" in text
 
 
 def test_the_figure_has_a_panel_per_length_and_a_line_per_configuration() -> None:
