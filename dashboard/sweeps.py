@@ -137,8 +137,11 @@ def figure(df: pd.DataFrame, title: str = "") -> go.Figure:
                         col=col,
                     )
                     shown = True
+    fig.update_yaxes(rangemode="tozero")
+    rates = sorted(df["rate"].unique()) if not df.empty else []
+    fig.update_xaxes(tickvals=rates)  # the offered rates themselves, e.g. 1 2 4 8
     for row, (_, label) in enumerate(ROWS, start=1):
-        fig.update_yaxes(title_text=label, row=row, col=1, rangemode="tozero")
+        fig.update_yaxes(title_text=label, row=row, col=1)
     for col in range(1, len(lengths) + 1):
         fig.update_xaxes(title_text="request rate (req/s)", row=len(ROWS), col=col)
     fig.update_layout(
