@@ -74,13 +74,20 @@ def points_frame(sweeps: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
             **p.get("metrics", {}),
         }
         for label, data in sweeps.items()
-        for p in data.get("points", [])
+        for p in _in_run_order(data)
         if p.get("metrics")
     ]
     if not rows:
         columns = ["run", "config", "input_len", "rate", "ok", "completed", "num_prompts"]
         return pd.DataFrame(columns=columns + [k for k, _ in ROWS])
     return pd.DataFrame(rows)
+
+
+def _in_run_order(data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The sweep's points, its configurations in the order it ran them (the legend's)."""
+    order = {c: i for i, c in enumerate(data.get("configs", []))}
+    points: list[dict[str, Any]] = data.get("points", [])
+    return sorted(points, key=lambda p: order.get(p["config"], len(order)))
 
 
 def colour(config: str, configs: list[str]) -> str:

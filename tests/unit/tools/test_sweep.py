@@ -192,7 +192,11 @@ def test_the_figure_has_a_panel_per_length_and_a_line_per_configuration() -> Non
     fig = sweeps.figure(df)
     titles = [a.text for a in fig.layout.annotations]
     assert titles == ["128 tokens in", "512 tokens in"]
-    assert {t.name for t in fig.data if t.showlegend} == {"single", "push"}
+    assert [t.name for t in fig.data if t.showlegend] == ["single", "push"]
+    ordered = sweeps.points_frame(
+        {"a": {"points": _records()[::-1], "configs": ["single", "push"]}}
+    )
+    assert list(dict.fromkeys(ordered["config"])) == ["single", "push"]  # the legend's order
     assert len(fig.data) == 2 * 2 * len(sweeps.ROWS)  # configs x lengths x rows
     two = sweeps.figure(
         sweeps.points_frame({"a": {"points": _records()}, "b": {"points": _records()}})
