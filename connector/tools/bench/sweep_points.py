@@ -61,7 +61,7 @@ class SweepPlan:
     rates: tuple[float, ...]
     output_len: int = 32
     point_s: float = 8.0
-    min_prompts: int = 8
+    min_prompts: int = 6
     max_prompts: int = 64
     cap: int = 64
     seed: int = 0
