@@ -7,7 +7,7 @@ export UCX_TLS ?= tcp,sm,self
 export UCX_NET_DEVICES ?= lo
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv test unit perf lint demo clean
+.PHONY: venv test unit perf lint demo clean bench-smoke
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -31,6 +31,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# The 2 x 2 sweep of `pushkv bench --sweep --smoke` with its checks (part of `make test` too).
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -s tests/e2e/test_sweep_smoke.py
 
 demo: $(STAMP)
 	$(VENV)/bin/pushkv demo

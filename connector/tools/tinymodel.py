@@ -2,11 +2,15 @@
 
 Over 400 lines, one job: ruff format puts the tokenizer corpus's word lists one per line.
 
-Owns: the tiny model's spec (config, tokenizer, seeded weights), its on-disk cache and the
-``python -m connector.tools.tinymodel`` CLI. The weights are seeded random numbers, scaled so that
-attention matters: greedy output depends on the whole prompt, which is what the end-to-end
-KV-equality tests need (vLLM's ``--load-format dummy`` gives near-constant weights whose output
-depends on the last token only, so equal outputs would prove nothing about the KV).
+Owns: the tiny models' specs (config, tokenizer, seeded weights), their on-disk cache and the
+``python -m connector.tools.tinymodel`` CLI. Two models, by name (``MODELS``): ``tiny`` (1 KiB
+of KV per token) and ``tiny-kv``, the same kind of small compute with a real model's KV geometry
+(8 layers, 8 KV heads of 128: 32 KiB per token in bf16, as Llama-8B's; a 2k-token prompt is 64
+MiB), so that a CPU benchmark moves as many bytes per token as a real deployment. The weights
+are seeded random numbers, scaled so that attention matters: greedy output depends on the whole
+prompt, which is what the end-to-end KV-equality tests need (vLLM's ``--load-format dummy``
+gives near-constant weights whose output depends on the last token only, so equal outputs would
+prove nothing about the KV).
 
 Must not import vLLM, torch, transformers or anything of the project: it runs in CI setup and
 in the test process. Needs only numpy and ``tokenizers``; safetensors is written by hand.
@@ -56,6 +60,27 @@ ARCH: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 
+# tiny-kv: KV as heavy as Llama-8B's per token; the hidden size and MLP stay small, so the
+# compute per token grows far less than the KV (8 query heads: one per KV head).
+ARCH_KV: dict[str, Any] = {
+    **ARCH,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+}
+MODELS: dict[str, dict[str, Any]] = {"tiny": ARCH, "tiny-kv": ARCH_KV}
+DEFAULT_MODEL = "tiny"
+
+
+def kv_bytes_per_token(arch: dict[str, Any], dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token (bf16: 2 bytes, what the servers run)."""
+    return (
+        2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * dtype_bytes
+    )
+
+
 # Weight scales, as multiples of 1/sqrt(fan_in). Why these: with tiny init (0.02, or what
 # --load-format dummy gives) the output depends on the last token only; with plain
 # variance-preserving scales the last token's residual path still decides about a third of
@@ -78,13 +103,13 @@ SCALES: dict[str, float] = {
 _CORPUS_SEED = 1234  # the tokenizer does not depend on the weight seed
 
 
-def _config(bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+def _config(arch: dict[str, Any], bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **ARCH,
+        **arch,
         # transformers 5 reads rope_parameters; older readers (and vLLM) accept rope_theta.
-        "rope_parameters": {"rope_type": "default", "rope_theta": ARCH["rope_theta"]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": arch["rope_theta"]},
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -101,21 +126,22 @@ def _config(bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
     }
 
 
-def _cache_key(seed: int) -> str:
+def _cache_key(seed: int, name: str = DEFAULT_MODEL) -> str:
     spec = {
         "format": FORMAT_VERSION,
-        "arch": ARCH,
+        "arch": MODELS[name],
         "scales": SCALES,
         "vocab": VOCAB_SIZE,
         "corpus_seed": _CORPUS_SEED,
         "chat_template": CHAT_TEMPLATE,
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return f"tiny-llama-seed{seed}-{digest}"
+    return f"{name}-llama-seed{seed}-{digest}"
 
 
-def make_tiny_model(root: Path | None = None, *, seed: int = 0) -> Path:
-    """The directory of the tiny model for ``seed`` under ``root``, building it if absent.
+def make_tiny_model(root: Path | None = None, *, seed: int = 0, name: str = DEFAULT_MODEL) -> Path:
+    """The directory of the tiny model ``name`` (a key of ``MODELS``) for ``seed`` under
+    ``root``, building it if absent.
 
     Idempotent and safe to call from several processes at once: the model is built in a
     temporary directory beside the final one and renamed into place; a loser of the race
@@ -124,15 +150,17 @@ def make_tiny_model(root: Path | None = None, *, seed: int = 0) -> Path:
     if root is None:
         env_root = os.environ.get("PUSHKV_MODEL_CACHE")
         root = Path(env_root) if env_root else Path.home() / ".cache" / "pushkv" / "models"
+    if name not in MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; known: {sorted(MODELS)}")
     root = Path(root).expanduser()
-    final = root / _cache_key(seed)
+    final = root / _cache_key(seed, name)
     if final.is_dir():  # only ever created by the rename below, so it is complete
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
-        _build(tmp, seed)
+        _build(tmp, seed, MODELS[name])
         try:
             os.rename(tmp, final)  # atomic on one filesystem; fails if final now exists
         except OSError:
@@ -143,7 +171,7 @@ def make_tiny_model(root: Path | None = None, *, seed: int = 0) -> Path:
     return final
 
 
-def _build(out: Path, seed: int) -> None:
+def _build(out: Path, seed: int, arch: dict[str, Any]) -> None:
     tokenizer = _train_tokenizer()
     vocab = tokenizer.get_vocab()
     if len(vocab) != VOCAB_SIZE:
@@ -160,7 +188,7 @@ def _build(out: Path, seed: int) -> None:
             "add_bos_token": True,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
-            "model_max_length": ARCH["max_position_embeddings"],
+            "model_max_length": arch["max_position_embeddings"],
             "chat_template": CHAT_TEMPLATE,
         },
     )
@@ -168,7 +196,7 @@ def _build(out: Path, seed: int) -> None:
         out / "special_tokens_map.json",
         {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN},
     )
-    _write_json(out / "config.json", _config(bos_id, eos_id, pad_id))
+    _write_json(out / "config.json", _config(arch, bos_id, eos_id, pad_id))
     _write_json(
         out / "generation_config.json",
         {
@@ -178,7 +206,7 @@ def _build(out: Path, seed: int) -> None:
             "do_sample": False,
         },
     )
-    _write_safetensors(out / "model.safetensors", _weights(seed))
+    _write_safetensors(out / "model.safetensors", _weights(seed, arch))
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -354,12 +382,12 @@ def _train_tokenizer() -> Any:
 # --- weights -------------------------------------------------------------------------------
 
 
-def _weights(seed: int) -> dict[str, np.ndarray]:
+def _weights(seed: int, arch: dict[str, Any]) -> dict[str, np.ndarray]:
     """Seeded float32 weights in HF Llama naming, drawn in a fixed order."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    h, ffn = ARCH["hidden_size"], ARCH["intermediate_size"]
-    q_out = ARCH["num_attention_heads"] * ARCH["head_dim"]
-    kv_out = ARCH["num_key_value_heads"] * ARCH["head_dim"]
+    h, ffn = arch["hidden_size"], arch["intermediate_size"]
+    q_out = arch["num_attention_heads"] * arch["head_dim"]
+    kv_out = arch["num_key_value_heads"] * arch["head_dim"]
 
     def normal(shape: tuple[int, int], scale: float, fan_in: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * (scale / np.sqrt(fan_in))).astype(
@@ -369,7 +397,7 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
     w: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": normal((VOCAB_SIZE, h), SCALES["embed"], 1)
     }
-    for i in range(ARCH["num_hidden_layers"]):
+    for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
         w[p + "self_attn.q_proj.weight"] = normal((q_out, h), SCALES["q"], h)
@@ -427,8 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         help="cache root (default: $PUSHKV_MODEL_CACHE or ~/.cache/pushkv/models)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    parser.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default=DEFAULT_MODEL,
+        help="tiny: 1 KiB of KV per token; tiny-kv: 32 KiB, a real model's KV geometry",
+    )
     args = parser.parse_args(argv)
-    print(make_tiny_model(args.root, seed=args.seed))
+    print(make_tiny_model(args.root, seed=args.seed, name=args.model))
     return 0
 
 

@@ -8,7 +8,7 @@ import streamlit as st
 
 from dashboard.data import OK, RunData, percentiles
 from dashboard.state import RUN, Source, initial_source, known_runs, load
-from dashboard.views import chart
+from dashboard.views import chart, sweep_compare
 from dashboard.views.decomposition import segment_bars
 from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
@@ -70,6 +70,7 @@ def render(run: RunData, params: dict[str, str]) -> None:
         other = load(src_b)
     except (RunFolderError, JaegerError) as e:
         st.error(f"B: {e}")
+        sweep_compare.render([run.label], params)
         return
     right.markdown(f"**B:** `{other.label}` ({len(other.requests)} requests)")
     rows = table(run, other)
@@ -101,3 +102,4 @@ def render(run: RunData, params: dict[str, str]) -> None:
         )
         fig = segment_bars(means, "run", labels={"ms": "mean ms"}, title="Mean TTFT decomposition")
         chart.show(fig, key="compare_bars")
+    sweep_compare.render([run.label, other.label], params)

@@ -66,9 +66,10 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "`connector/tools/`",
         ("connector/tools/",),
-        ("connector", "telemetry"),
+        ("connector", "telemetry", "dashboard.sweeps"),
         ("nixl",),
-        "servers are child processes; `bench/vllm_*.py` are connectors loaded into vLLM",
+        "servers are child processes; `bench/vllm_*.py` are connectors loaded into vLLM; "
+        "`bench/plots.py` draws the dashboard's sweep figure",
     ),
     Layer(
         "`connector/cli.py`",

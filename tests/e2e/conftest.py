@@ -11,6 +11,7 @@ Must not import vLLM (servers are child processes); tests start servers through
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -88,12 +89,12 @@ def _warm_up(client: httpx.Client, **extra: object) -> None:
     assert resp.status_code == 200, f"warm-up via {client.base_url}: {resp.text}"
 
 
-@pytest.fixture(scope="session")
-def pd(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
-    """P + D (PushConnector) + router on the tiny model, started once per session."""
+@contextlib.contextmanager
+def running_pd(model: Path, run_dir: Path) -> Iterator[Pd]:
+    """P + D (PushConnector) + router on ``model``, warmed up; stopped on leaving."""
     stack = PdStack(
-        tiny_model,
-        e2e_log_dir / "pd-push",
+        model,
+        run_dir,
         decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S},
     )
     try:
@@ -112,3 +113,18 @@ def pd(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
             yield Pd(stack, r, p, d)
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def pd(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
+    """P + D (PushConnector) + router on the tiny model, started once per session."""
+    with running_pd(tiny_model, e2e_log_dir / "pd-push") as stack:
+        yield stack
+
+
+@pytest.fixture
+def pd_kv(e2e_log_dir: Path) -> Iterator[Pd]:
+    """The same on ``tiny-kv`` (32 KiB of KV per token), for one test: it is stopped before
+    the session's ``pd`` starts (tests using ``pd`` run last)."""
+    with running_pd(make_tiny_model(name="tiny-kv"), e2e_log_dir / "pd-push-kv") as stack:
+        yield stack

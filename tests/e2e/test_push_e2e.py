@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 PROMPT_LENGTHS = (20, 127, 128, 129, 300, 600, 1000)  # around the 128-token block edge
+HEAVY_PROMPT_LENGTHS = (20, 129, 1000)  # tiny-kv: 32 MiB of KV for the longest
 MAX_TOKENS = 16
 FIRST_LOGPROB_TOL = 2e-2
 VOCAB = (3, 4096)  # ids 0-2 are <s>, </s>, <pad>
@@ -188,8 +189,8 @@ def wait_idle(pd: Pd, timeout_s: float = IDLE_WAIT_S) -> dict[str, float | None]
 # ------------------------------------------------------------------------------ tests
 
 
-def test_greedy_equals_single_instance(pd: Pd) -> None:
-    prompts = {n: random_prompt(n, seed=1000 + n) for n in PROMPT_LENGTHS}
+def check_greedy_equals_single_instance(pd: Pd, lengths: tuple[int, ...]) -> None:
+    prompts = {n: random_prompt(n, seed=1000 + n) for n in lengths}
     before = source_tokens(pd.decode)
     disagg: dict[int, dict[str, Any]] = {}
     for n, prompt in prompts.items():
@@ -199,7 +200,7 @@ def test_greedy_equals_single_instance(pd: Pd) -> None:
             f"\n[pd] {n:5}-token prompt via router: {(time.monotonic() - t0) * 1000:.0f} ms", end=""
         )
         assert disagg[n]["usage"]["prompt_tokens"] == n
-    total = sum(PROMPT_LENGTHS)
+    total = sum(lengths)
     after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + total)
     delta = {k: after[k] - before[k] for k in after}
     print(f"\n[pd] D prompt tokens by source over {total} prompt tokens: {delta}")
@@ -209,6 +210,15 @@ def test_greedy_equals_single_instance(pd: Pd) -> None:
     )
     for n, prompt in prompts.items():
         assert_matches_reference(disagg[n], reference(pd, prompt), f"{n}-token prompt")
+
+
+def test_heavy_kv_model_greedy_equals_single_instance(pd_kv: Pd) -> None:
+    """tiny-kv (32 KiB of KV per token, 8 layers): a few lengths across block edges."""
+    check_greedy_equals_single_instance(pd_kv, HEAVY_PROMPT_LENGTHS)
+
+
+def test_greedy_equals_single_instance(pd: Pd) -> None:
+    check_greedy_equals_single_instance(pd, PROMPT_LENGTHS)
 
 
 def test_negative_control_kv_comes_from_prefill(pd: Pd) -> None:

@@ -56,10 +56,10 @@ from connector.tools.bench.stacks import (
     QUICK_CONFIGS,
     BenchConfig,
     BenchStack,
-    busy_ports,
-    check_stopped,
     make_stack,
+    on_free_ports,
     other_vllm_pids,
+    stop_and_check,
     wait_for_quiet_machine,
 )
 from connector.tools.bench.vllm_bench import (
@@ -123,14 +123,7 @@ def _start(
     config: BenchConfig, model: Path, run_dir: Path, log: Log, pin_servers: bool
 ) -> BenchStack:
     """A stack whose ports are all free right now, started and healthy (or ServerError)."""
-    for _ in range(3):
-        stack = make_stack(config, model, run_dir, pin_servers)
-        busy = busy_ports(stack.ports())
-        if not busy:
-            break
-        log(f"[{config.name}] ports taken before start: {busy}; picking new ones")
-    else:
-        raise ServerError(f"no free ports after 3 tries (last busy: {busy})")
+    stack = on_free_ports(lambda: make_stack(config, model, run_dir, pin_servers), log, config.name)
     log(f"[{config.name}] starting ({config.description}); ports {stack.ports()}")
     try:
         stack.start(STACK_START_TIMEOUT_S)
@@ -147,19 +140,7 @@ def _start(
 
 
 def _stop(config: BenchConfig, stack: BenchStack, log: Log) -> None:
-    leaders, ports = stack.group_leaders(), stack.ports()
-    try:
-        stack.stop()
-    except ServerError as exc:
-        log(f"[{config.name}] stop reported: {exc}")
-    check = check_stopped(leaders, ports)
-    if check.clean:
-        log(f"[{config.name}] stopped: process groups {leaders} gone, ports free")
-    else:
-        log(
-            f"[{config.name}] WARNING after stop: live pids {check.live_pids}, "
-            f"busy ports {check.busy}"
-        )
+    stop_and_check(config.name, stack, log)
 
 
 def _foreign_vllm(stack: BenchStack) -> list[int]:
@@ -321,6 +302,12 @@ def _git_commit() -> str | None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pushkv bench", description=__doc__.split("\n")[0])
     p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="input length x request rate against one plain instance, with figures: "
+        "its own flags (pushkv bench --sweep --help; connector/tools/bench/sweep.py)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="smoke test: concurrency 4 only, 12 prompts, push and vllm-push only",
@@ -412,7 +399,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (e.g. from `timeout`) must still stop the stacks: turn it into SystemExit so
     # that every finally block runs (Python's default SIGTERM action skips them).
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--sweep" in argv:  # a command of its own, with its own flags
+        from connector.tools.bench import sweep
+
+        return sweep.main([a for a in argv if a != "--sweep"])
+    args = parse_args(argv)
     if args.rerender is not None:
         return rerender(args.rerender.resolve())
     workload = _workload(args)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from connector.tools.pdstack import CONNECTORS, ConnectorSpec, PdStack
-from connector.tools.stack import group_pids, port_is_free
+from connector.tools.stack import ServerError, group_pids, port_is_free
 
 NOPROG_MODULE = "connector.tools.bench.vllm_noprog"
 KEEPCPU_MODULE = "connector.tools.bench.vllm_keepcpu"
@@ -166,10 +166,15 @@ class BenchStack(PdStack):
 
 
 def make_stack(
-    config: BenchConfig, model: Path, run_dir: Path, pin_servers: bool = True
+    config: BenchConfig,
+    model: Path,
+    run_dir: Path,
+    pin_servers: bool = True,
+    server_args: Sequence[str] = (),
 ) -> BenchStack:
     """The stack for ``config``: logs go to ``run_dir`` (one file per process);
-    ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``)."""
+    ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``);
+    ``server_args``: appended to both vLLM command lines (e.g. a longer context)."""
     return BenchStack(
         model,
         run_dir,
@@ -179,6 +184,7 @@ def make_stack(
         module_path_override=config.module_path,
         tracing=config.tracing,
         pin_servers=pin_servers,
+        server_args=tuple(server_args),
     )
 
 
@@ -246,3 +252,41 @@ def wait_for_quiet_machine(
             )
             last_log = waited
         time.sleep(poll_s)
+
+
+class StoppableStack(Protocol):
+    """What ``on_free_ports`` and ``stop_and_check`` need of a stack (``BenchStack``, and the
+    sweep's ``connector.tools.bench.single.SingleStack``)."""
+
+    def stop(self, timeout_s: float = ...) -> None: ...
+    def ports(self) -> dict[str, int]: ...
+    def group_leaders(self) -> list[int]: ...
+
+
+S = TypeVar("S", bound=StoppableStack)
+
+
+def on_free_ports(make: Callable[[], S], log: Callable[[str], None], name: str) -> S:
+    """A stack from ``make()`` whose ports are all free right now (three tries: another
+    process may take a port between picking and binding), or ``ServerError``."""
+    for _ in range(3):
+        stack = make()
+        busy = busy_ports(stack.ports())
+        if not busy:
+            return stack
+        log(f"[{name}] ports taken before start: {busy}; picking new ones")
+    raise ServerError(f"no free ports after 3 tries (last busy: {busy})")
+
+
+def stop_and_check(name: str, stack: StoppableStack, log: Callable[[str], None]) -> None:
+    """Stop ``stack`` and log whether its process groups are gone and its ports free."""
+    leaders, ports = stack.group_leaders(), stack.ports()
+    try:
+        stack.stop()
+    except ServerError as exc:
+        log(f"[{name}] stop reported: {exc}")
+    check = check_stopped(leaders, ports)
+    if check.clean:
+        log(f"[{name}] stopped: process groups {leaders} gone, ports free")
+    else:
+        log(f"[{name}] WARNING after stop: live pids {check.live_pids}, busy ports {check.busy}")

@@ -121,3 +121,23 @@ def test_loads_with_transformers(model_dir: Path) -> None:
     assert chat == "<s><|user|>\nhi\n<|assistant|>\n"
     chat_ids = tok(chat, add_special_tokens=False).input_ids  # as vLLM renders chat prompts
     assert chat_ids.count(tok.bos_token_id) == 1
+
+
+def test_tiny_kv_has_a_real_models_kv_geometry(model_dir: Path) -> None:
+    heavy = make_tiny_model(model_dir.parent, name="tiny-kv")
+    assert heavy != model_dir and heavy.name.startswith("tiny-kv-")
+    cfg = json.loads((heavy / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]) == (8, 8, 128)
+    assert cfg["hidden_size"] == 256  # the compute stays small
+    assert tinymodel.kv_bytes_per_token(cfg) == 32 * 1024  # Llama-8B's, in bf16
+    assert tinymodel.kv_bytes_per_token(tinymodel.ARCH) == 1024
+    # Same tokenizer as tiny: prompts of one benchmark are the same tokens for both.
+    assert _hashes(heavy)["tokenizer.json"] == _hashes(model_dir)["tokenizer.json"]
+    safetensors = pytest.importorskip("safetensors")
+    with safetensors.safe_open(str(heavy / "model.safetensors"), framework="numpy") as f:
+        assert f.get_slice("model.layers.7.self_attn.k_proj.weight").get_shape() == [1024, 256]
+
+
+def test_unknown_model_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tiny-kv"):
+        make_tiny_model(tmp_path, name="huge")

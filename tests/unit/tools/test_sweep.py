@@ -1,0 +1,225 @@
+"""``pushkv bench --sweep`` without servers: the plan, point files and resuming, the time
+bound, trace slices and their decomposition, the report and the figures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.tools.bench import plots, sweep, sweep_points, sweep_report, trace_slices
+from connector.tools.bench.sweep_points import Point, SweepPlan
+from connector.tools.bench.vllm_bench import RunFailure
+from dashboard import sweeps
+from telemetry.critical_path import Seg
+from tests.docs.commands import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "traces"
+
+
+def _bench(n: int, ttft: float, failed: int = 0) -> dict[str, Any]:
+    return {
+        "completed": n - failed,
+        "failed": failed,
+        "errors": ["boom"] * failed,
+        "median_ttft_ms": ttft,
+        "p90_ttft_ms": ttft * 1.5,
+        "mean_tpot_ms": 8.0,
+        "request_throughput": 2.0,
+        "duration": 10.0,
+    }
+
+
+def test_plan_sizes_points_by_rate_and_gives_each_point_its_own_seed() -> None:
+    plan = SweepPlan((128, 2048), (1.0, 8.0), point_s=10.0, min_prompts=12, max_prompts=40)
+    assert [p.name for p in plan.points()] == ["in128-r1", "in128-r8", "in2048-r1", "in2048-r8"]
+    assert plan.num_prompts(Point(128, 1.0)) == 12  # clamped up
+    assert plan.num_prompts(Point(128, 8.0)) == 40  # clamped down
+    seeds = [plan.seed_of(p) for p in plan.points()]
+    assert len(set(seeds)) == 4 and plan.seed not in seeds  # never the warm-up's or another's
+    assert plan.limit_s(Point(128, 1.0)) > 12 / 1.0  # room for every arrival
+    assert plan.max_model_len() == 2048 + 32 + 64
+
+
+def test_a_point_is_ok_only_when_every_request_completed(tmp_path: Path) -> None:
+    plan = SweepPlan((128,), (2.0,), point_s=1.0, min_prompts=12)
+    point = Point(128, 2.0)
+    partial = sweep_points.point_record("push", point, plan, _bench(12, 50.0, failed=2))
+    assert not partial["ok"] and partial["reason"] == "10/12 requests completed"
+    assert partial["errors"] == ["boom"]
+    sweep_points.write_point(tmp_path, partial)
+    assert not sweep_points.is_done(tmp_path, "push", point)  # a resumed sweep tries again
+    whole = sweep_points.point_record("push", point, plan, _bench(12, 50.0))
+    sweep_points.write_point(tmp_path, whole)
+    assert sweep_points.is_done(tmp_path, "push", point)
+    none = sweep_points.point_record("push", point, plan, None, "vllm bench serve hung")
+    assert not none["ok"] and none["metrics"] == {} and none["reason"].endswith("hung")
+
+
+def _fake_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ttft: dict[str, float]
+) -> list[tuple[str, str]]:
+    """Run sweep.main with stacks and points faked; returns the points run, in order."""
+    ran: list[tuple[str, str]] = []
+
+    class FakeStack:
+        url = "http://127.0.0.1:1"
+
+        def stop(self, timeout_s: float = 0) -> None: ...
+        def ports(self) -> dict[str, int]:
+            return {}
+
+        def group_leaders(self) -> list[int]:
+            return []
+
+    def fake_start(name: str, setup: sweep.Setup, cfg_dir: Path, log: Any) -> FakeStack:
+        cfg_dir.mkdir(parents=True, exist_ok=True)
+        return FakeStack()
+
+    def fake_point(
+        name: str, setup: sweep.Setup, stack: Any, point: Point, limit_s: float
+    ) -> tuple[dict[str, Any], RunFailure | None]:
+        ran.append((name, point.name))
+        n = setup.plan.num_prompts(point)
+        record = sweep_points.point_record(name, point, setup.plan, _bench(n, ttft[name]))
+        sweep_points.write_point(setup.run_dir, record)
+        return record, None
+
+    monkeypatch.setattr(sweep, "_start", fake_start)
+    monkeypatch.setattr(sweep, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(sweep.trace_slices, "wait_quiet", lambda *a, **k: {})
+    monkeypatch.setattr(sweep, "run_point", fake_point)
+    monkeypatch.setattr(sweep, "resolve_model", lambda name: (tmp_path / name, {}))
+    monkeypatch.setattr(plots, "write_figures", lambda run_dir, data: [])  # tested below
+    return ran
+
+
+def test_a_resumed_sweep_runs_only_the_points_without_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = _fake_sweep(tmp_path, monkeypatch, {"single": 20.0, "push": 30.0})
+    args = ["--smoke", "--run-dir", str(tmp_path / "run")]
+    assert sweep.main(args) == 0
+    assert len(ran) == 8 and ran[0] == ("single", "in64-r2")
+    data = json.loads((tmp_path / "run" / "sweep.json").read_text())
+    assert len(data["points"]) == 8 and data["plan"]["lengths"] == [64, 256]
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| 64 | 2 | push | 12/12 | 30.0 | 45.0 | 10.0 |" in report  # gap to single
+    (tmp_path / "run" / "push" / "in256-r4.json").unlink()
+    ran.clear()
+    assert sweep.main(args) == 0
+    assert ran == [("push", "in256-r4")]
+
+
+def test_the_sweep_stops_starting_points_at_its_time_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = _fake_sweep(tmp_path, monkeypatch, {"single": 20.0, "push": 30.0})
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(sweep, "_now", lambda: float(next(clock)))
+    # 2 minutes: the first stack starts, and its points each take 10 s of the fake clock
+    # while one needs about 26 s (arrivals + 20 s): some run, the rest are left.
+    code = sweep.main(["--smoke", "--run-dir", str(tmp_path / "run"), "--max-minutes", "2"])
+    assert code == 1  # not every point done
+    assert 0 < len(ran) < 8
+    left = [p for p in sweep.make_plan(sweep.parse_args(["--smoke"])).points()]
+    assert not all(sweep_points.is_done(tmp_path / "run", "push", p) for p in left)
+
+
+def test_a_slice_is_whole_lines_written_between_two_marks(tmp_path: Path) -> None:
+    src = tmp_path / "stack"
+    src.mkdir()
+    f = src / "traces-pushkv-router-1.jsonl"
+    f.write_text('{"a": 1}\n')
+    before = trace_slices.sizes(src)
+    f.write_text('{"a": 1}\n{"b": 2}\n{"c": ')  # the last line still being written
+    n = trace_slices.copy_slice(src, before, trace_slices.sizes(src), tmp_path / "point")
+    assert n == 1
+    assert (tmp_path / "point" / f.name).read_text() == '{"b": 2}\n'
+    assert trace_slices.wait_quiet(src, quiet_s=0.3, timeout_s=2.0) == trace_slices.sizes(src)
+
+
+def test_decomposition_takes_each_segments_median_over_a_points_requests(tmp_path: Path) -> None:
+    dest = tmp_path / "point"
+    shutil.copytree(FIXTURES / "gen-push", dest)
+    dec = trace_slices.decomposition(dest)
+    assert dec["requests"] > 0 and dec["mode"] == "push"
+    assert Seg.WRITE.value in dec["segments_ms"] and Seg.D_STEP.value in dec["segments_ms"]
+    assert all(v >= 0 for v in dec["segments_ms"].values())
+    assert trace_slices.decomposition(tmp_path / "nothing-here") == {}
+
+
+def _records() -> list[dict[str, Any]]:
+    plan = SweepPlan((128, 512), (1.0, 2.0), point_s=1.0, min_prompts=4)
+    out = []
+    for config, base in (("single", 10.0), ("push", 25.0)):
+        for p in plan.points():
+            rec = sweep_points.point_record(config, p, plan, _bench(4, base * p.rate))
+            if config == "push":
+                rec["decomposition"] = {
+                    "requests": 4,
+                    "mode": "push",
+                    "ttft_ms": base,
+                    "segments_ms": {Seg.P_PREFILL.value: 11.0, Seg.WRITE.value: 1.7},
+                }
+            out.append(rec)
+    return out
+
+
+def test_the_report_shows_the_gap_to_single_and_each_points_decomposition() -> None:
+    text = sweep_report.markdown({"configs": ["single", "push"], "points": _records()})
+    assert "| 512 | 2 | push | 4/4 | 50.0 | 75.0 | 30.0 |" in text
+    assert (
+        "### 128 tokens in" in text
+        and "| req/s | config | traced | TTFT p50 ms | P prefill |" in text
+    )
+    assert "8 of 8 points completed every request" in text
+    assert "Tracing's cost" not in text  # no push-notrace in this sweep
+    notrace = [dict(r, config="push-notrace") for r in _records() if r["config"] == "push"]
+    for r in notrace:
+        r["metrics"] = {**r["metrics"], "median_ttft_ms": r["metrics"]["median_ttft_ms"] / 1.25}
+    text = sweep_report.markdown(
+        {"configs": ["push", "push-notrace"], "points": _records() + notrace}
+    )
+    assert "- 128 tokens, 1 req/s: TTFT p50 25.0 / 20.0 ms (+25.0%)" in text
+
+
+def test_the_figure_has_a_panel_per_length_and_a_line_per_configuration() -> None:
+    df = sweeps.points_frame({"a": {"points": _records()}})
+    fig = sweeps.figure(df)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles == ["128 tokens in", "512 tokens in"]
+    assert [t.name for t in fig.data if t.showlegend] == ["single", "push"]
+    ordered = sweeps.points_frame(
+        {"a": {"points": _records()[::-1], "configs": ["single", "push"]}}
+    )
+    assert list(dict.fromkeys(ordered["config"])) == ["single", "push"]  # the legend's order
+    assert len(fig.data) == 2 * 2 * len(sweeps.ROWS)  # configs x lengths x rows
+    two = sweeps.figure(
+        sweeps.points_frame({"a": {"points": _records()}, "b": {"points": _records()}})
+    )
+    assert {t.line.dash for t in two.data} == {"solid", "dash"}  # one dash style per run
+
+
+def test_figures_are_written_as_html_and_png_where_kaleido_works(tmp_path: Path) -> None:
+    lines = plots.write_figures(tmp_path, {"points": _records(), "plan": {"output_len": 32}})
+    assert (tmp_path / plots.HTML).stat().st_size > 100_000  # plotly.js inside: opens offline
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        assert any(line.startswith("PNG skipped") for line in lines)
+        return
+    assert (tmp_path / plots.PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", lines
+
+
+def test_sweeps_are_found_by_their_sweep_json(tmp_path: Path) -> None:
+    for name in ("runs/sweep-a", "runs/sweep-b", "runs/bench-c"):
+        (tmp_path / name / "push").mkdir(parents=True)
+    for name in ("sweep-a", "sweep-b"):
+        sweep_points.write_sweep(tmp_path / "runs" / name, {}, _records())
+    found = sweeps.find_sweeps(tmp_path / "runs")
+    assert sorted(p.name for p in found) == ["sweep-a", "sweep-b"]
+    assert len(sweeps.load_sweep(found[0])["points"]) == 8
