@@ -1,6 +1,9 @@
 """``pushkv bench --sweep``: input length x open-loop request rate, per configuration, against
 one plain vLLM instance as the ideal: the study's figures for this machine.
 
+Over 400 lines, one job: the sweep's driver and its CLI; its parts live in ``sweep_points``
+(plan and point files), ``sweep_report``, ``trace_slices`` and ``plots``.
+
 Owns: the sweep's command line, its run folder (``runs/sweep-<timestamp>/``: ``sweep.log``,
 ``sweep.json``, ``report.md``, the figures, and per configuration ``<config>/`` with its
 servers' logs and trace files, one ``<point>.json`` per point, ``vllm bench serve``'s own
