@@ -150,12 +150,7 @@ def round_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
             *((c, 1.0) for c in TARGET_NO_WORSE_CONFIGS),
         ):
             for key in TARGET_KEYS:
-                xs = []
-                for results in rounds:
-                    table = _by_key(results)
-                    push, r = table.get((BASELINE, conc)), table.get((other, conc))
-                    if push is not None and r is not None:
-                        xs.append(ratio(key, push, r))
+                xs = _round_ratios(rounds, conc, other, key)
                 made = [x for x in xs if x is not None]
                 if not xs:
                     continue
@@ -183,13 +178,7 @@ def variant_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
                     values.append(push.metrics[key])
             variants = []
             for other in VARIANT_CONFIGS:
-                xs = []
-                for results in rounds:
-                    table = _by_key(results)
-                    push, r = table.get((BASELINE, conc)), table.get((other, conc))
-                    if push is not None and r is not None:
-                        xs.append(ratio(key, push, r))
-                if xs:
+                if xs := _round_ratios(rounds, conc, other, key):
                     variants.append(
                         f"push vs {other} "
                         + ", ".join("n/a" if x is None else f"{x:.2f}x" for x in xs)
@@ -206,6 +195,19 @@ def variant_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
                 f"c={conc} {name}: push's spread between rounds {spread}; " + "; ".join(variants)
             )
     return lines
+
+
+def _round_ratios(
+    rounds: Sequence[Sequence[LevelResult]], conc: int, other: str, key: str
+) -> list[float | None]:
+    """push against ``other`` on ``key`` at ``conc``, one per round where both ran."""
+    xs = []
+    for results in rounds:
+        table = _by_key(results)
+        push, r = table.get((BASELINE, conc)), table.get((other, conc))
+        if push is not None and r is not None:
+            xs.append(ratio(key, push, r))
+    return xs
 
 
 def _by_key(results: Sequence[LevelResult]) -> dict[tuple[str, int], LevelResult]:
