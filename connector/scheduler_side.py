@@ -134,7 +134,9 @@ class SchedulerSide:
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
                 rec = self._decode_record(request, dleg)  # trusted or not: before any dial
                 self._reqs[rid] = rec
-                if rec.error:
+                # vLLM's API server resubmits a D leg that ended in an error pre-aborted
+                # (notify_kv_transfer_request_rejected), for cleanup: not a second leg.
+                if rec.error and not getattr(request, "abort_immediately", False):
                     self._untrusted(rid, dleg, rec.error)
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.

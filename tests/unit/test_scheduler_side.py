@@ -266,6 +266,13 @@ def test_a_refused_leg_fails_its_load_and_dials_nothing() -> None:
     s.update_connector_output(FailedOut(finished_recving={"d"}, failed_recving={"d"}))
     assert s._reqs == {} and not s.recomputed and s.untrusted_legs == 1
     assert not s.has_pending_push_work()
+    # vLLM's API server then resubmits the failed request pre-aborted, for cleanup
+    # (notify_kv_transfer_request_rejected): released, and not counted as another leg.
+    cleanup = Req("d-cleanup", dict(D_LEG))
+    cleanup.abort_immediately = True  # type: ignore[attr-defined]
+    s.on_new_request(cleanup)
+    s.request_finished(cleanup, ([],))
+    assert s._reqs == {} and s.untrusted_legs == 1 and s.build_connector_meta(SchedOut({})).empty()
 
 
 def test_refuse_keeps_trusted_legs_as_they_were() -> None:
