@@ -110,6 +110,14 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     auth_window_s: Seconds = 120.0
     # D: P addresses it dials without the router's signature ("host" or "host:port").
     trusted_prefill: tuple[str, ...] = ()
+    # D: a decode leg naming P coordinates D may not dial (above) is never dialed; it is
+    # "recompute"d here (the reason in the response's kv_transfer_params), or "refuse"d:
+    # reported as a failed load, which vLLM ends with an error (needs
+    # kv_load_failure_policy "fail"; vLLM's connector API gives no 4xx).
+    untrusted_leg: Literal["recompute", "refuse"] = "recompute"
+    # Transfer metrics for vLLM's /metrics (connector/stats.py, connector/transfer/metrics.py).
+    # False: nothing is recorded or reported (measures their cost: ``pushkv bench``).
+    metrics: bool = True
 
     def __repr__(self) -> str:  # never print an inline secret in a log line
         fields = msgspec.structs.asdict(self)
@@ -177,9 +185,25 @@ def parse_config(extra: dict[str, Any] | None) -> PushkvConfig:
             "write_timeout_s must be shorter than receive_timeout_s, so P answers before D gives up"
         )
     load_secret(cfg)  # a missing file or variable must show at start-up
+    if cfg.untrusted_leg == "refuse" and not (cfg.authenticated or cfg.trusted_prefill):
+        raise ConfigError(
+            "untrusted_leg: refuse needs a secret or trusted_prefill (without either, D "
+            "trusts every leg and refuses none)"
+        )
     if cfg.auth_window_s <= cfg.write_timeout_s:
         raise ConfigError("auth_window_s must be longer than write_timeout_s")
     return cfg
+
+
+def check_failure_policy(cfg: PushkvConfig, kv_load_failure_policy: str, consumer: bool) -> None:
+    """``untrusted_leg: refuse`` on D fails the refused leg's load, which vLLM turns into an
+    error only under ``kv_load_failure_policy: fail`` (under "recompute" it would compute
+    the request, silently not refusing it)."""
+    if consumer and cfg.untrusted_leg == "refuse" and kv_load_failure_policy != "fail":
+        raise ConfigError(
+            f"untrusted_leg: refuse needs kv_load_failure_policy 'fail' on D, not "
+            f"{kv_load_failure_policy!r} (vLLM recomputes a failed load under 'recompute')"
+        )
 
 
 def load_secret(cfg: PushkvConfig) -> bytes | None:

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.config import load_secret, parse_config
+from connector.config import check_failure_policy, load_secret, parse_config
 from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
@@ -119,12 +119,17 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         self._faults = self._cfg.faults  # test-only; None in production
         self._sched: SchedulerSide | None = None
         self._recompute = ktc.kv_load_failure_policy == "recompute"
+        check_failure_policy(self._cfg, ktc.kv_load_failure_policy, ktc.is_kv_consumer)
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
             trust = LegTrust(load_secret(self._cfg), frozenset(self._cfg.trusted_prefill))
             _log_security(trust, ktc.is_kv_consumer)
             self._sched = SchedulerSide(
-                ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer, trust
+                ktc.engine_id,
+                ktc.is_kv_producer,
+                ktc.is_kv_consumer,
+                trust,
+                refuse_untrusted=self._cfg.untrusted_leg == "refuse",
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -247,6 +252,8 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         return PushkvPromMetrics(metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> PushkvStats | None:  # type: ignore[override]
+        if not self._cfg.metrics:
+            return None
         try:
             if self._worker is not None:
                 data = self._worker.stats()

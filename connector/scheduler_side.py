@@ -76,9 +76,11 @@ class SchedulerSide:
         is_producer: bool,
         is_consumer: bool,
         trust: LegTrust | None = None,
+        refuse_untrusted: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self._trust = trust or LegTrust()  # D: whose P coordinates a decode leg may name
+        self._refuse = refuse_untrusted  # untrusted_leg: refuse (else computed locally)
         self.untrusted_legs = 0
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self._reqs: dict[str, _Req] = {}
@@ -130,27 +132,40 @@ class SchedulerSide:
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
                 self._reqs[rid] = _Req(request, lc.start(lc.PrefillLegAdded(rid)), prefill=leg)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
-                try:
-                    self._trust.check(dleg, time.time_ns() // 1_000_000)  # before any dial
-                except UntrustedLeg as exc:
-                    self._untrusted(rid, dleg, exc)
-                    raise
-                self._reqs[rid] = _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=dleg)
-        except UntrustedLeg as exc:
-            self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
+                rec = self._decode_record(request, dleg)  # trusted or not: before any dial
+                self._reqs[rid] = rec
+                # vLLM's API server resubmits a D leg that ended in an error pre-aborted
+                # (notify_kv_transfer_request_rejected), for cleanup: not a second leg.
+                if rec.error and not getattr(request, "abort_immediately", False):
+                    self._untrusted(rid, dleg, rec.error)
         except KvParamsError as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
             self.recomputed["bad_params"] += 1
             self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
 
-    def _untrusted(self, rid: str, leg: DecodeLeg, exc: UntrustedLeg) -> None:
-        """Never dialed, computed locally: logged 1st, 2nd, 4th... (a flood stays quiet),
-        and a ``leg_rejected`` span in the request's trace."""
+    def _decode_record(self, request: Any, leg: DecodeLeg) -> _Req:
+        """D: a new request's record. A leg naming P coordinates D may not dial is never
+        dialed: computed locally (LegRejected), or refused (LegRefused: its load is failed);
+        either way ``error`` says why."""
+        rid = request.request_id
+        try:
+            self._trust.check(leg, time.time_ns() // 1_000_000)
+        except UntrustedLeg as exc:
+            if self._refuse:
+                why = f"{exc}; refused (untrusted_leg: refuse)"
+                return _Req(request, lc.start(lc.LegRefused(rid)), decode=leg, error=why)
+            return _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
+        return _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=leg)
+
+    def _untrusted(self, rid: str, leg: DecodeLeg, why: str) -> None:
+        """Never dialed, computed locally or refused: logged 1st, 2nd, 4th... (a flood
+        stays quiet), and a ``leg_rejected`` span in the request's trace."""
         self.untrusted_legs += 1
         n = self.untrusted_legs
         if n & (n - 1) == 0:
-            logger.warning("Request %s: %s; computing it locally (%d so far)", rid, exc, n)
+            then = "" if self._refuse else "; computing it locally"
+            logger.warning("Request %s: %s%s (%d so far)", rid, why, then, n)
         emit_leg_rejected(
             self._tracer,
             leg.trace(),
@@ -158,7 +173,7 @@ class SchedulerSide:
             request_id=rid,
             engine_id=self.engine_id,
             peer=f"{leg.remote_host}:{leg.remote_port}",
-            reason=str(exc),
+            reason=why,
             at_ns=time.time_ns(),
         )
 
@@ -166,11 +181,16 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         rec = self._reqs.get(request.request_id)
-        if rec is None or rec.decode is None or rec.state is not ReqState.AWAITING_ALLOC:
+        if rec is None or rec.decode is None:
+            return 0, False
+        missing = request.num_prompt_tokens - num_computed_tokens
+        if rec.state is ReqState.REFUSED:
+            # A load to fail (update_state_after_alloc), so that vLLM ends the request.
+            return (missing, True) if missing > 0 else (0, False)
+        if rec.state is not ReqState.AWAITING_ALLOC:
             return 0, False
         # vLLM recomputes the last prompt token after a load anyway, so a hit that leaves
         # at most that token to fetch means nothing needs to move.
-        missing = request.num_prompt_tokens - num_computed_tokens
         return (missing, True) if missing > 1 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -188,7 +208,9 @@ class SchedulerSide:
             self._enter(rid, rec, move)
             return
         move = self._next(rid, rec, lc.BlocksAllocated(rid))
-        if move.effect is Effect.STAGE_REGISTRATION:
+        if move.effect is Effect.FAIL_LOAD:
+            self._step.failed_loads.append(rid)  # nothing registered, nothing dialed
+        elif move.effect is Effect.STAGE_REGISTRATION:
             groups = blocks.get_unhashed_block_ids_all_groups()
             block_ids: BlockTable = tuple(tuple(g) for g in groups)
             self._step.registrations.append(
@@ -300,7 +322,7 @@ class SchedulerSide:
             rec = self._reqs.get(rid)
             if rec is None:
                 continue
-            if rid in failed:
+            if rid in failed and rec.state is not ReqState.LOAD_FAILED:
                 self.recomputed["transfer_failed"] += 1  # or failed: kv_load_failure_policy
             move = self._next(rid, rec, lc.RecvReported(rid))
             if move.effect is Effect.TIME_FIRST_TOKEN and self._tracer is not None:
@@ -344,6 +366,8 @@ class SchedulerSide:
         elif move.effect is Effect.STAGE_LOAD_FAILED and leg is not None:
             self._stage_abort(StagedAbort(leg.transfer_id, rid, "not_needed", leg))
             self._step.failed_loads.append(rid)
+        elif move.effect is Effect.FAIL_LOAD and rid not in self._step.failed_loads:
+            self._step.failed_loads.append(rid)  # a refused leg: P is not told
         self.counters[f"{Count.HOOK_EFFECT.value}{move.effect.value}"] += 1
         self._enter(rid, rec, move)
         trace = leg.trace() if leg is not None else pleg.trace() if pleg else None
@@ -375,7 +399,7 @@ class SchedulerSide:
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
                 rec = _Req(request, lc.start(lc.PrefillLegAdded(request.request_id)), prefill=leg)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
-                rec = _Req(request, lc.start(lc.DecodeLegAdded(request.request_id)), decode=dleg)
+                rec = self._decode_record(request, dleg)  # an untrusted leg stays undialed
             else:
                 return None
         except KvParamsError:

@@ -67,7 +67,7 @@ class WorkerSide:
         self._transport: Any = None
         self._handshake: Handshake | None = None
         self._plan: StepPlan | None = None
-        self._metrics = RankMetrics(tp_rank)
+        self._metrics = RankMetrics(tp_rank) if cfg.metrics else None
         self._failed_loads: set[str] = set()  # reported failed with the next results
 
     # ------------------------------------------------------------------ start-up
@@ -112,7 +112,7 @@ class WorkerSide:
         me = RankInfo(
             self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
         )
-        spans = Tee(self._spans(), self._metrics)
+        spans = Tee(self._spans(), self._metrics) if self._metrics is not None else self._spans()
         paths, offer = self._gpu_paths(kv_caches, layout, me)
         sender = receiver = None
         if self.is_producer:
@@ -292,7 +292,9 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any] | None:
         """This rank's metrics since the last call (``connector.transfer.metrics``)."""
-        return self._metrics.drain() if self.thread is not None else None
+        if self._metrics is None or self.thread is None:
+            return None
+        return self._metrics.drain()
 
     def shutdown(self) -> None:
         if self.thread is not None:

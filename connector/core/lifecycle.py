@@ -27,6 +27,8 @@ class ReqState(enum.Enum):
     RECEIVING = "receiving"  # D: registration staged, WAITING_FOR_REMOTE_KVS
     ABORTING = "aborting"  # D: finished while receiving; blocks held until finished_recving
     DONE = "done"  # D: KV in or not needed; also a request whose leg was rejected
+    REFUSED = "refused"  # D: an untrusted leg refused; no blocks yet, nothing dialed
+    LOAD_FAILED = "load_failed"  # D: a refused leg's load reported failed; vLLM ends it
     RELEASED = "released"  # nothing left to track: the record is dropped
 
     @property
@@ -55,7 +57,17 @@ class DecodeLegAdded:
 
 @dataclass(frozen=True)
 class LegRejected:
-    """A new request's kv_transfer_params are malformed: it is computed locally."""
+    """A new request's kv_transfer_params are malformed, or (D, ``untrusted_leg:
+    recompute``) name P coordinates D may not dial: it is computed locally."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class LegRefused:
+    """D, ``untrusted_leg: refuse``: the leg names P coordinates D may not dial. D asks vLLM
+    to wait for a load and reports it failed at once (vLLM's kv_load_failure_policy "fail"
+    ends the request with an error); nothing is dialed, P is never told."""
 
     request_id: str
 
@@ -132,7 +144,7 @@ class LoadHookFailed:
     request_id: str
 
 
-NewReqEvent = PrefillLegAdded | DecodeLegAdded | LegRejected
+NewReqEvent = PrefillLegAdded | DecodeLegAdded | LegRejected | LegRefused
 ReqEvent = (
     BlocksAllocated
     | PromptCached
@@ -161,6 +173,8 @@ class Effect(enum.Enum):
     TIME_FIRST_TOKEN = "time_first_token"  # D: the KV is in; watch for the first token
     # D: report the load failed now (nothing was registered) and free P's blocks
     STAGE_LOAD_FAILED = "stage_load_failed"
+    # D: report the load failed now; P is not told (its coordinates are not trusted)
+    FAIL_LOAD = "fail_load"
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,7 @@ NEW: dict[type[NewReqEvent], ReqState] = {
     PrefillLegAdded: ReqState.PREFILLING,
     DecodeLegAdded: ReqState.AWAITING_ALLOC,
     LegRejected: ReqState.DONE,  # tracked only to answer request_finished with the reason
+    LegRefused: ReqState.REFUSED,
 }
 
 _S = ReqState
@@ -219,6 +234,14 @@ LIFECYCLE: dict[tuple[ReqState, type[ReqEvent]], Transition] = {
     (_S.DONE, PromptCached): IGNORE,  # allocated again after the load or a preemption
     (_S.DONE, Preempted): IGNORE,
     (_S.DONE, RequestFinished): Transition(_S.RELEASED),
+    # D: a refused leg. Its load is reported failed at once, and vLLM's "fail" policy ends
+    # the request with an error (before it passes the report on); a prompt vLLM loads
+    # nothing for (one that skips the prefix cache) is computed here with the reason.
+    (_S.REFUSED, BlocksAllocated): Transition(_S.LOAD_FAILED, Effect.FAIL_LOAD),
+    (_S.REFUSED, PromptCached): Transition(_S.DONE),
+    (_S.REFUSED, RequestFinished): Transition(_S.RELEASED),
+    (_S.LOAD_FAILED, RequestFinished): Transition(_S.RELEASED),
+    (_S.LOAD_FAILED, RecvReported): Transition(_S.DONE),  # still running: computed here
     # A hook of ours raised: pushkv lets go of the request, and every side learns it now.
     (_S.PREFILLING, HookFailed): Transition(_S.RELEASED, Effect.STAGE_PREFILL_ABORT),
     (_S.PUSHING, HookFailed): Transition(_S.SPENT, Effect.RECLAIM),
@@ -232,6 +255,10 @@ LIFECYCLE: dict[tuple[ReqState, type[ReqEvent]], Transition] = {
     (_S.ABORTING, HookFailed): IGNORE,
     (_S.ABORTING, LoadHookFailed): IGNORE,
     (_S.DONE, HookFailed): IGNORE,
+    (_S.REFUSED, HookFailed): IGNORE,  # nothing staged towards P
+    (_S.REFUSED, LoadHookFailed): Transition(_S.LOAD_FAILED, Effect.FAIL_LOAD),
+    (_S.LOAD_FAILED, HookFailed): IGNORE,  # the failed load is reported already
+    (_S.LOAD_FAILED, LoadHookFailed): IGNORE,
 }
 """Every (state, event) pair a request can meet. Missing pairs are events vLLM cannot send in
 that state: only running requests are scheduled or preempted (not finished ones, nor ones

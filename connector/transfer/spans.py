@@ -323,7 +323,8 @@ def emit_leg_rejected(
     at_ns: int,
 ) -> None:
     """D: a decode leg whose P coordinates D does not trust (docs/security.md); D computes
-    the prompt itself and dials nothing. An instant, in error, with the reason."""
+    the prompt itself or refuses it (``untrusted_leg``), and dials nothing. An instant, in
+    error, with the reason."""
     if tracer is None:
         return
     emit(

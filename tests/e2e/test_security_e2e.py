@@ -8,6 +8,11 @@ a connection there (a listener on that address sees none) and is computed locall
 reason in the response; and that a forged side-channel request gets no answer while P keeps
 serving. Forged and replayed notifications over real NIXL are in
 tests/integration/test_push_loopback_auth.py.
+
+First, on a D of its own (``untrusted_leg: refuse`` is a configuration of D, and the
+sealed stack's D computes untrusted legs locally): a refused leg ends in vLLM's error,
+computes nothing and dials nothing, and D keeps serving. It runs, and stops its server,
+before the sealed stack starts, so no more than two servers run at once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import httpx
 import pytest
 
 from connector.tools.pdstack import PdStack
-from connector.tools.stack import free_port
+from connector.tools.stack import VllmServer, free_port
 from connector.transport.sidechannel_wire import KIND_EXCHANGE, encode_frame
 from tests.e2e.conftest import HTTP_TIMEOUT_S, START_TIMEOUT_S, Pd
 from tests.e2e.test_push_e2e import (
@@ -44,6 +49,92 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 API_KEY = "sk-pushkv-e2e-" + secrets.token_hex(8)
 NO_CONNECTION_WAIT_S = 2.0
+REFUSED = "refused (untrusted_leg: refuse)"  # connector/scheduler_side.py's reason
+COUNTERS_SETTLE_S = 10.0
+
+
+def _secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    secret = tmp_path_factory.mktemp("secret") / "pd.secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    return secret
+
+
+@pytest.fixture
+def refusing_decode(
+    tiny_model: Path, e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, httpx.Client]]:
+    """A D alone (no P: a refused leg dials nothing) with a secret and untrusted_leg:
+    refuse, which needs vLLM's kv_load_failure_policy "fail"."""
+    extra = {"auth_secret_file": str(_secret_file(tmp_path_factory)), "untrusted_leg": "refuse"}
+    server = VllmServer(
+        tiny_model,
+        free_port(),
+        kv_transfer_config={
+            "kv_connector": "PushConnector",
+            "kv_connector_module_path": "connector",
+            "kv_role": "kv_consumer",
+            "engine_id": "decode",
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": extra,
+        },
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1", "OTEL_SDK_DISABLED": "true"},
+        log_path=e2e_log_dir / "decode-refusing.log",
+    )
+    server.start()
+    try:
+        server.wait_healthy(START_TIMEOUT_S)
+        with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d:
+            yield server, d
+    finally:
+        server.stop()
+
+
+def _local_compute_reaches(d: httpx.Client, at_least: float) -> float:
+    """D's local_compute prompt tokens once they reach ``at_least`` (they may trail the
+    response), or as they are after COUNTERS_SETTLE_S."""
+    deadline = time.monotonic() + COUNTERS_SETTLE_S
+    while True:
+        now = source_tokens(d)["local_compute"]
+        if now >= at_least or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
+def test_a_refused_leg_is_an_error_that_computes_and_dials_nothing(
+    refusing_decode: tuple[VllmServer, httpx.Client],
+) -> None:
+    """untrusted_leg: refuse, straight to D's API: vLLM's error (500; vLLM 0.32's connector
+    API has no 4xx), no connection to the address the leg named, no prompt token computed,
+    the reason in D's log; then D serves a plain request."""
+    server, d = refusing_decode
+    before = source_tokens(d)["local_compute"]
+    with socket.socket() as listener, socket.socket(type=socket.SOCK_DGRAM) as bell:
+        port = free_port()
+        listener.bind(("127.0.0.1", port))
+        listener.listen(8)
+        bell.bind(("127.0.0.1", port))
+        coords = {"engine_id": "prefill", "host": "127.0.0.1", "port": port, "tp_size": 1}
+        leg = decode_leg(coords, uuid.uuid4().hex)
+        refused = d.post(
+            "/v1/completions",
+            json=greedy_body(random_prompt(120, seed=4300), kv_transfer_params=leg),
+        )
+        assert refused.status_code == 500, refused.text
+        readable, _, _ = select.select([listener, bell], [], [], NO_CONNECTION_WAIT_S)
+        assert readable == [], "D reached the address a refused leg named"
+    log = server.log.read_text(errors="replace")
+    assert REFUSED in log and "no valid router signature" in log, server.log
+    # vLLM's API server resubmits the failed request pre-aborted, for cleanup: one leg.
+    assert log.count(REFUSED) == 1, f"the refusal was logged more than once: {server.log}"
+    plain = random_prompt(64, seed=4301)
+    out = post_ok(d, "/v1/completions", greedy_body(plain, cache_salt=uuid.uuid4().hex))
+    assert out["usage"]["completion_tokens"] > 0
+    after = _local_compute_reaches(d, before + len(plain))
+    assert after - before == len(plain), (
+        f"D computed {after - before - len(plain):.0f} prompt tokens of the refused request"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +142,7 @@ def sealed(
     tiny_model: Path, e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pd]:
     """P, D and the router with one shared secret; the router with an API key."""
-    secret = tmp_path_factory.mktemp("secret") / "pd.secret"
-    secret.write_text(secrets.token_hex(32))
-    secret.chmod(0o600)
+    secret = _secret_file(tmp_path_factory)
     auth = {"auth_secret_file": str(secret)}
     stack = PdStack(
         tiny_model,

@@ -240,6 +240,80 @@ def test_untrusted_decode_leg_is_never_dialed_and_served_locally() -> None:
     assert s.get_num_new_matched_tokens(good, 0) == (300, True)
 
 
+@dataclass
+class FailedOut(ConnOut):
+    failed_recving: set[str] = field(default_factory=set)
+
+
+def test_a_refused_leg_fails_its_load_and_dials_nothing() -> None:
+    """untrusted_leg: refuse. vLLM is asked to wait for a load (so the request is not
+    computed), the load is reported failed in the same step (vLLM's "fail" policy then ends
+    the request with an error), and no registration or abort, which would reach P, is staged."""
+    s = SchedulerSide("decode", False, True, LegTrust(b"s" * 32), refuse_untrusted=True)
+    req = Req("d", dict(D_LEG))
+    s.on_new_request(req)
+    assert s._reqs["d"].state is ReqState.REFUSED
+    assert s.get_num_new_matched_tokens(req, 0) == (300, True)
+    assert s.get_num_new_matched_tokens(req, 299) == (1, True)  # even one token: no compute
+    s.update_state_after_alloc(req, Blocks([[1, 2]]), 300)
+    plan = s.build_connector_meta(SchedOut({}))
+    assert plan.failed_loads == ["d"]
+    assert plan.registrations == [] and plan.aborts == []
+    # vLLM (policy "fail") ends the request before it passes the report on.
+    delay, out = s.request_finished(req, ([1, 2],))
+    assert not delay and "refused (untrusted_leg: refuse)" in out["pushkv_error"]
+    assert "no valid router signature" in out["pushkv_error"]
+    s.update_connector_output(FailedOut(finished_recving={"d"}, failed_recving={"d"}))
+    assert s._reqs == {} and not s.recomputed and s.untrusted_legs == 1
+    assert not s.has_pending_push_work()
+    # vLLM's API server then resubmits the failed request pre-aborted, for cleanup
+    # (notify_kv_transfer_request_rejected): released, and not counted as another leg.
+    cleanup = Req("d-cleanup", dict(D_LEG))
+    cleanup.abort_immediately = True  # type: ignore[attr-defined]
+    s.on_new_request(cleanup)
+    s.request_finished(cleanup, ([],))
+    assert s._reqs == {} and s.untrusted_legs == 1 and s.build_connector_meta(SchedOut({})).empty()
+
+
+def test_refuse_keeps_trusted_legs_as_they_were() -> None:
+    key = b"s" * 32
+    s = SchedulerSide("decode", False, True, LegTrust(key), refuse_untrusted=True)
+    good = Req("ok", sign_decode_params(D_LEG, key, int(time.time() * 1000), 60_000))
+    s.on_new_request(good)
+    assert s.get_num_new_matched_tokens(good, 0) == (300, True)
+    s.update_state_after_alloc(good, Blocks([[1, 2]]), 300)
+    plan = s.build_connector_meta(SchedOut({}))
+    assert [r.transfer_id for r in plan.registrations] == ["t1"] and plan.failed_loads == []
+
+
+def test_a_refused_leg_vllm_loads_nothing_for_is_computed_with_the_reason() -> None:
+    """A request that skips the prefix cache gets no load from vLLM (0 external tokens):
+    nothing can be failed, so it is computed here, as under "recompute"."""
+    s = SchedulerSide("decode", False, True, LegTrust(b"s" * 32), refuse_untrusted=True)
+    req = Req("d", dict(D_LEG))
+    s.on_new_request(req)
+    s.update_state_after_alloc(req, Blocks([[1, 2]]), 0)
+    plan = s.build_connector_meta(SchedOut({"d": 300}))
+    assert plan.empty()
+    delay, out = s.request_finished(req, ([1, 2],))
+    assert not delay and "refused" in out["pushkv_error"]
+
+
+def test_a_raising_hook_on_an_untrusted_leg_still_dials_nothing() -> None:
+    """on_new_request raised (plugin.py's guard adopts the request): the adopted record is
+    checked for trust like any other, so letting go of it tells no untrusted P anything."""
+    for refuse in (False, True):
+        s = SchedulerSide("decode", False, True, LegTrust(b"s" * 32), refuse_untrusted=refuse)
+        req = Req("d", dict(D_LEG))
+        s.hook_failed("on_new_request", req)
+        plan = s.build_connector_meta(SchedOut({}))
+        assert plan.aborts == [] and plan.registrations == [], refuse
+        if refuse:
+            s.hook_failed("update_state_after_alloc", req, 300)
+            assert s.build_connector_meta(SchedOut({})).failed_loads == ["d"]
+            assert s.build_connector_meta(SchedOut({})).aborts == []
+
+
 def test_an_untrusted_leg_is_a_span_in_the_requests_trace() -> None:
     rec = Recorder()
     s = SchedulerSide("decode", False, True, LegTrust(b"s" * 32))

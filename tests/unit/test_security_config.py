@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.config import load_secret, parse_config
+from connector.config import check_failure_policy, load_secret, parse_config
 from connector.core.errors import ConfigError
 from connector.kv_params import (
     LegTrust,
@@ -68,6 +68,28 @@ def test_secret_from_file_env_or_inline(tmp_path: Path, monkeypatch: pytest.Monk
 def test_bad_secret_config_is_a_clear_error(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_config(extra)
+
+
+def test_untrusted_legs_are_recomputed_unless_refused_by_configuration() -> None:
+    assert parse_config({}).untrusted_leg == "recompute"
+    refuse = {"untrusted_leg": "refuse", "auth_secret": "x" * 20}
+    assert parse_config(refuse).untrusted_leg == "refuse"
+    listed = {"untrusted_leg": "refuse", "trusted_prefill": ["10.0.0.1"]}
+    assert parse_config(listed).untrusted_leg == "refuse"
+    with pytest.raises(ConfigError, match="untrusted_leg"):
+        parse_config({"untrusted_leg": "drop"})
+    with pytest.raises(ConfigError, match="needs a secret or trusted_prefill"):
+        parse_config({"untrusted_leg": "refuse"})  # D would trust every leg: refuse nothing
+
+
+def test_refuse_needs_vllms_fail_policy_on_d() -> None:
+    """Under "recompute" vLLM would compute a refused leg's failed load: a start-up error."""
+    cfg = parse_config({"untrusted_leg": "refuse", "auth_secret": "x" * 20})
+    check_failure_policy(cfg, "fail", consumer=True)
+    check_failure_policy(cfg, "recompute", consumer=False)  # P never refuses a leg
+    with pytest.raises(ConfigError, match="kv_load_failure_policy 'fail'"):
+        check_failure_policy(cfg, "recompute", consumer=True)
+    check_failure_policy(parse_config({}), "recompute", consumer=True)
 
 
 # -- signed coordinates ------------------------------------------------------------------

@@ -7,9 +7,12 @@ import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from connector.config import parse_config
 from connector.plugin import PushConnector
+from connector.scheduler_side import SchedulerSide
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
 from connector.transfer.metrics import key
+from connector.worker_side import WorkerSide
 from telemetry.schema import METRICS, Metric
 
 
@@ -107,3 +110,28 @@ def test_every_metric_of_the_schema_is_documented() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
     missing = [m.value for m in METRICS if f"`{m.value}`" not in doc]
     assert not missing, f"not in docs/operations.md#metrics: {missing}"
+
+
+def _connector(extra: dict[str, object]) -> PushConnector:
+    """PushConnector's scheduler role without vLLM's config: only what the stats hook reads."""
+    c = PushConnector.__new__(PushConnector)
+    c._cfg = parse_config(extra)
+    c._worker, c._recompute = None, True
+    c._sched = SchedulerSide("decode", False, True)
+    c._sched.recomputed["bad_params"] += 1
+    return c
+
+
+def test_metrics_false_reports_nothing_from_scheduler_or_worker() -> None:
+    """The ``metrics: false`` knob (what ``pushkv bench``'s push-nometrics measures)."""
+    on = _connector({}).get_kv_connector_stats()
+    assert on is not None and on.data["counts"]
+    assert _connector({"metrics": False}).get_kv_connector_stats() is None
+    worker = WorkerSide(parse_config({"metrics": False}), "decode", False, True, 0, 1, 4, 16, {})
+    worker.thread = object()  # type: ignore[assignment]  # stats() only asks if it started
+    assert worker._metrics is None and worker.stats() is None
+    worker = WorkerSide(parse_config({}), "decode", False, True, 0, 1, 4, 16, {})
+    worker.thread = object()  # type: ignore[assignment]
+    assert worker._metrics is not None
+    worker._metrics._sample(key(Metric.KV_WAIT), 0.01)
+    assert worker.stats() == {"samples": {key(Metric.KV_WAIT): [0.01]}, "counts": {}, "gauges": {}}

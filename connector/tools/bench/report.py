@@ -40,6 +40,9 @@ TARGET_KEYS = ("median_ttft_ms", "mean_tpot_ms")
 TRACING_OFF_CONFIG = "push-notrace"
 TRACING_BUDGET = 0.03  # throughput and median TTFT within 3 %
 TRACING_KEYS = ("request_throughput", "median_ttft_ms")
+# push with one thing switched off or on, to measure what that thing costs: tracing,
+# authentication (sealed messages and signed coordinates), the connector's metrics.
+VARIANT_CONFIGS = ("push-notrace", "push-sealed", "push-nometrics")
 
 
 @dataclass
@@ -166,12 +169,7 @@ def round_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
             *((c, 1.0) for c in TARGET_NO_WORSE_CONFIGS),
         ):
             for key in TARGET_KEYS:
-                xs = []
-                for results in rounds:
-                    table = _by_key(results)
-                    push, r = table.get((BASELINE, conc)), table.get((other, conc))
-                    if push is not None and r is not None:
-                        xs.append(ratio(key, push, r))
+                xs = _round_ratios(rounds, conc, other, key)
                 made = [x for x in xs if x is not None]
                 if not xs:
                     continue
@@ -181,7 +179,54 @@ def round_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
                     + ", ".join("n/a" if x is None else f"{x:.2f}x" for x in xs)
                     + ")"
                 )
+    return lines + variant_tally(rounds)
+
+
+def variant_tally(rounds: Sequence[Sequence[LevelResult]]) -> list[str]:
+    """Per concurrency and TARGET_KEYS: push's own spread between rounds (largest / smallest
+    value), then each ``VARIANT_CONFIGS`` run's ratio to push round by round (> 1: push
+    better). A variant is within noise only where its ratios stay inside push's spread."""
+    lines = []
+    concs = sorted({r.concurrency for rs in rounds for r in rs})
+    for conc in concs:
+        for key in TARGET_KEYS:
+            values = []
+            for results in rounds:
+                push = _by_key(results).get((BASELINE, conc))
+                if push is not None and push.ok and key in push.metrics:
+                    values.append(push.metrics[key])
+            variants = []
+            for other in VARIANT_CONFIGS:
+                if xs := _round_ratios(rounds, conc, other, key):
+                    variants.append(
+                        f"push vs {other} "
+                        + ", ".join("n/a" if x is None else f"{x:.2f}x" for x in xs)
+                    )
+            if not variants:
+                continue
+            name = key.removesuffix("_ms")
+            spread = (
+                f"{max(values) / min(values):.2f}x ({', '.join(f'{v:.1f}' for v in values)})"
+                if len(values) > 1 and min(values) > 0
+                else "n/a"
+            )
+            lines.append(
+                f"c={conc} {name}: push's spread between rounds {spread}; " + "; ".join(variants)
+            )
     return lines
+
+
+def _round_ratios(
+    rounds: Sequence[Sequence[LevelResult]], conc: int, other: str, key: str
+) -> list[float | None]:
+    """push against ``other`` on ``key`` at ``conc``, one per round where both ran."""
+    xs = []
+    for results in rounds:
+        table = _by_key(results)
+        push, r = table.get((BASELINE, conc)), table.get((other, conc))
+        if push is not None and r is not None:
+            xs.append(ratio(key, push, r))
+    return xs
 
 
 def _by_key(results: Sequence[LevelResult]) -> dict[tuple[str, int], LevelResult]:

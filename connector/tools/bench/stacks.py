@@ -22,6 +22,8 @@ Must not import vLLM, NIXL or torch (servers are child processes). Needs httpx v
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +54,9 @@ class BenchConfig:
     # kv_connector_extra_config of both servers (e.g. connector.tools.bench.vllm_noprog's switches)
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     tracing: bool = True  # spans of every process to the run folder (PdStack.tracing)
+    # P, D and the router share a secret (docs/security.md): sealed messages, coordinates
+    # signed by the router and checked by D. The secret goes to a file, never an argv.
+    sealed: bool = False
 
     @property
     def router_mode(self) -> str:
@@ -81,6 +86,21 @@ CONFIGS: dict[str, BenchConfig] = {
             "PushConnector",
             description="pushkv PushConnector, tracing off (OTEL_SDK_DISABLED)",
             tracing=False,
+        ),
+        # The cost of authentication: every P/D message sealed, every D leg signed.
+        BenchConfig(
+            "push-sealed",
+            "PushConnector",
+            description="pushkv PushConnector with a shared secret: sealed messages, "
+            "router-signed coordinates (docs/security.md)",
+            sealed=True,
+        ),
+        # The cost of the connector's metrics: the same stack with metrics: false.
+        BenchConfig(
+            "push-nometrics",
+            "PushConnector",
+            description="pushkv PushConnector, its metrics off (metrics: false)",
+            extra_config={"metrics": False},
         ),
         BenchConfig(
             "vllm-push",
@@ -175,17 +195,32 @@ def make_stack(
     """The stack for ``config``: logs go to ``run_dir`` (one file per process);
     ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``);
     ``server_args``: appended to both vLLM command lines (e.g. a longer context)."""
+    extra, router_args = dict(config.extra_config), []
+    if config.sealed:
+        secret = write_secret(run_dir / f"{config.name}.secret")
+        extra["auth_secret_file"] = str(secret)
+        router_args = ["--auth-secret-file", str(secret)]
     return BenchStack(
         model,
         run_dir,
         connector_name=config.connector_name,
-        prefill_extra_config=dict(config.extra_config),
-        decode_extra_config=dict(config.extra_config),
+        prefill_extra_config=extra,
+        decode_extra_config=extra,
+        router_args=router_args,
         module_path_override=config.module_path,
         tracing=config.tracing,
         pin_servers=pin_servers,
         server_args=tuple(server_args),
     )
+
+
+def write_secret(path: Path) -> Path:
+    """A fresh 32-byte secret in ``path``, readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
 
 
 def busy_ports(ports: Mapping[str, int]) -> dict[str, int]:

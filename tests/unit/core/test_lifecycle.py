@@ -22,7 +22,7 @@ from connector.core.lifecycle import LIFECYCLE, Effect, ReqState
 
 S = ReqState
 P_STATES = frozenset({S.PREFILLING, S.PUSHING, S.PUSHED_EARLY, S.HANDED_OVER, S.SPENT})
-D_STATES = frozenset({S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING, S.DONE})
+D_STATES = frozenset({S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING, S.DONE, S.REFUSED, S.LOAD_FAILED})
 LIVE = P_STATES | D_STATES
 P_EVENTS = (lc.PrefillScheduled, lc.PushReported)
 D_EVENTS = (lc.BlocksAllocated, lc.PromptCached, lc.RecvReported, lc.LoadHookFailed)
@@ -56,6 +56,7 @@ EFFECT_AT = {
     Effect.FREE_BLOCKS: {(S.HANDED_OVER, lc.PushReported)},
     Effect.TIME_FIRST_TOKEN: {(S.RECEIVING, lc.RecvReported)},
     Effect.STAGE_LOAD_FAILED: {(S.AWAITING_ALLOC, lc.LoadHookFailed)},
+    Effect.FAIL_LOAD: {(S.REFUSED, lc.BlocksAllocated), (S.REFUSED, lc.LoadHookFailed)},
 }
 
 
@@ -64,10 +65,15 @@ def test_a_raising_hook_lets_go_of_every_live_request_definitely() -> None:
     an entry, and a D request vLLM waits on always gets a report staged or coming."""
     for state in LIVE:
         assert (state, lc.HookFailed) in LIFECYCLE, state
-    for state in (S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING):
+    for state in (S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING, S.REFUSED, S.LOAD_FAILED):
         t = LIFECYCLE[(state, lc.LoadHookFailed)]
-        # Staged now (load failed, abort) or already coming (ABORTING waits for its report).
-        assert t.effect in (Effect.STAGE_LOAD_FAILED, Effect.STAGE_ABORT) or state is S.ABORTING
+        # Staged now (load failed, abort) or already coming (ABORTING waits for its report,
+        # LOAD_FAILED's failure is staged already).
+        assert t.effect in (
+            Effect.STAGE_LOAD_FAILED,
+            Effect.STAGE_ABORT,
+            Effect.FAIL_LOAD,
+        ) or state in (S.ABORTING, S.LOAD_FAILED)
 
 
 def test_every_event_type_is_in_the_pair_list() -> None:
@@ -123,6 +129,7 @@ def test_new_requests_start_where_the_table_begins() -> None:
     assert lc.start(lc.PrefillLegAdded("r")) is S.PREFILLING
     assert lc.start(lc.DecodeLegAdded("r")) is S.AWAITING_ALLOC
     assert lc.start(lc.LegRejected("r")) is S.DONE
+    assert lc.start(lc.LegRefused("r")) is S.REFUSED
     assert set(lc.NEW) == set(lc.NewReqEvent.__args__)
 
 
@@ -300,6 +307,23 @@ class DRequestPath(_Request):
         assert not (self.registered and self.not_needed)
         assert self.released == (self.finished and not self.loading)
         assert not self.state.push_pending
+
+
+def test_a_refused_leg_fails_its_load_and_never_tells_p() -> None:
+    """untrusted_leg: refuse. vLLM's "fail" policy ends the request (RequestFinished) before
+    it passes the failed report on; no entry on the way stages anything that reaches P
+    (a registration, not_needed, an abort): its coordinates are not trusted."""
+    towards_p = {Effect.STAGE_REGISTRATION, Effect.STAGE_NOT_NEEDED, Effect.STAGE_ABORT}
+    towards_p.add(Effect.STAGE_LOAD_FAILED)  # it frees P's blocks: tells P
+    state = lc.start(lc.LegRefused("r"))
+    t = lc.advance(state, lc.BlocksAllocated("r"))
+    assert (t.to, t.effect) == (S.LOAD_FAILED, Effect.FAIL_LOAD)
+    assert lc.advance(S.LOAD_FAILED, lc.RequestFinished("r")).to is S.RELEASED
+    for (state, _), t in LIFECYCLE.items():
+        if state in (S.REFUSED, S.LOAD_FAILED):
+            assert t.effect not in towards_p, (state, t)
+    # A prompt vLLM loads nothing for is computed here, as under "recompute".
+    assert lc.advance(S.REFUSED, lc.PromptCached("r")).to is S.DONE
 
 
 TestPRequestPath = PRequestPath.TestCase

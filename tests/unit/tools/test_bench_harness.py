@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import aggregate
+from connector.config import parse_config
+from connector.tools.bench.stacks import CONFIGS, make_stack
 from connector.tools.bench.vllm_bench import Workload, bench_command
 from connector.tools.pdstack import cpu_set
 from connector.tools.stack import VllmServer
@@ -156,3 +158,30 @@ def test_repeats_rotate_the_order_and_report_the_medians(
     (tmp_path / "run" / "report.md").unlink()
     assert serve_bench.main(["--rerender", str(tmp_path / "run")]) == 0
     assert "median over 3 rounds" in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_sealed_config_shares_a_secret_file_never_an_argv(tmp_path: Path) -> None:
+    """push-sealed: P, D and the router read one 0600 secret file; no command line holds
+    the secret itself."""
+    stack = make_stack(CONFIGS["push-sealed"], tmp_path / "model", tmp_path)
+    secret_file = tmp_path / "push-sealed.secret"
+    secret = secret_file.read_text()
+    assert len(secret) >= 32 and secret_file.stat().st_mode & 0o777 == 0o600
+    for server in (stack.prefill, stack.decode):
+        assert server.kv_transfer_config is not None
+        extra = server.kv_transfer_config["kv_connector_extra_config"]
+        assert extra["auth_secret_file"] == str(secret_file)
+        assert secret not in " ".join(server.command())
+    router = stack.router.command()
+    assert router[router.index("--auth-secret-file") + 1] == str(secret_file)
+    assert secret not in " ".join(router)
+    plain = make_stack(CONFIGS["push"], tmp_path / "model", tmp_path / "plain")
+    assert "--auth-secret-file" not in plain.router.command()
+
+
+def test_nometrics_config_turns_the_connectors_metrics_off(tmp_path: Path) -> None:
+    stack = make_stack(CONFIGS["push-nometrics"], tmp_path / "model", tmp_path)
+    for server in (stack.prefill, stack.decode):
+        assert server.kv_transfer_config is not None
+        extra = server.kv_transfer_config["kv_connector_extra_config"]
+        assert parse_config(extra).metrics is False

@@ -9,6 +9,7 @@ from connector.tools.bench.report import (
     round_tally,
     target_verdicts,
     tracing_verdicts,
+    variant_tally,
 )
 
 
@@ -112,3 +113,17 @@ def test_round_tally_counts_rounds_where_push_held_the_target() -> None:
     assert "in 1 of 2 rounds (0.90x, n/a, 1.10x)" in tpot, tpot
     assert "in 2 of 2 rounds" in lines["c=16 vs vllm-push-noprog median_ttft"]
     assert not any("vllm-pull-noprog" in line for line in lines.values())  # never ran
+
+
+def test_variant_tally_sets_each_rounds_ratio_against_pushs_own_spread() -> None:
+    rounds = [
+        [level("push", 50.0, 40.0), level("push-sealed", 55.0, 40.0)],
+        [level("push", 65.0, 40.0), level("push-sealed", 52.0, 40.0), failed("push-nometrics")],
+    ]
+    lines = {line.split(":")[0]: line for line in variant_tally(rounds)}
+    ttft = lines["c=16 median_ttft"]
+    assert "push's spread between rounds 1.30x (50.0, 65.0)" in ttft, ttft
+    assert "push vs push-sealed 1.10x, 0.80x" in ttft, ttft  # latencies: other / push
+    assert "push vs push-nometrics n/a" in ttft, ttft
+    assert "push-notrace" not in ttft  # never ran
+    assert variant_tally([[level("push", 50.0, 40.0)]]) == []  # no variant: no line
