@@ -56,6 +56,8 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # its WRITE could end (receive deadline + write_timeout_s): the margin for a message's
     # one-way delay and an aborted WRITE's wind-down. An answer ends the wait at once.
     grace_s: Seconds = 10.0
+    # D: how often it renews P's leases while it waits; P answers a heartbeat for a transfer
+    # it already ended, so this also bounds how long a lost `done` or `fail` costs D.
     heartbeat_s: Seconds = 5.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
     dial_timeout_s: Seconds = 10.0
