@@ -349,8 +349,9 @@ def test_cancel_while_ps_write_is_in_flight_never_lands_in_freed_blocks(fx: Fx) 
     assert check.status is not StatusCode.ERROR, check.attributes
     assert check.start_ns >= await_kv.end_ns, "filled before D freed the blocks"
     print(
-        f"\n[faults] held WRITE: posted after D's cancel, done {write.end_ns / 1e9:.3f}; "
-        f"D freed {await_kv.end_ns / 1e9:.3f} ({(await_kv.end_ns - write.end_ns) / 1e6:+.1f} ms); "
+        f"\n[faults] WRITE held {(write.end_ns - write.start_ns) / 1e9:.3f} s (of {HOLD_S} s) "
+        f"until D's cancel came; D freed its blocks "
+        f"{(await_kv.end_ns - write.end_ns) / 1e6:+.1f} ms after P's WRITE was done; "
         f"pattern intact for {(check.end_ns - check.start_ns) / 1e9:.2f} s"
     )
     wait_for_span(
