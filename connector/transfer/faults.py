@@ -55,8 +55,8 @@ def _decode(frame: bytes) -> m.Message | None:
 
 
 class FaultyTransport:
-    """Every Transport member passes through to ``inner``; ``write``, ``send_notif`` and
-    ``get_notifs`` first apply ``faults``."""
+    """Every Transport member passes through to ``inner``; ``write``, ``poll_write``,
+    ``release``, ``send_notif`` and ``get_notifs`` first apply ``faults``."""
 
     def __init__(
         self,
@@ -141,7 +141,7 @@ class FaultyTransport:
             if not cancelled and self._clock() < held.post_by_s:
                 return False  # in flight, as far as the Sender knows
             del self._held[held.tid]
-            # D's cancel has come: from here on every byte lands after it.
+            # Posted only now: when D's cancel came first, every byte lands after it.
             held.inner = self._inner.write(*held.args, **held.mem)
             logger.warning(
                 "pushkv test fault: %s (transfer %s)",
