@@ -26,6 +26,13 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     fail_write_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # P: the WRITE's post fails
     drop_completion_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # D: first `done` lost
+    # P: the WRITE is held (in flight, not posted) until D's cancel for it arrives, or
+    # hold_write_s after it was issued; then it is posted.
+    hold_write_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    hold_write_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.4
+    # D: the blocks of such a transfer that D aborted are filled with a pattern when D
+    # frees them, and checked until no WRITE may land any more (D's own bound).
+    check_freed_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     raise_hook: str = ""  # a scheduler hook of PushConnector that raises...
     raise_hook_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # ...for these requests
 
@@ -56,6 +63,8 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # its WRITE could end (receive deadline + write_timeout_s): the margin for a message's
     # one-way delay and an aborted WRITE's wind-down. An answer ends the wait at once.
     grace_s: Seconds = 10.0
+    # D: how often it renews P's leases while it waits; P answers a heartbeat for a transfer
+    # it already ended, so this also bounds how long a lost `done` or `fail` costs D.
     heartbeat_s: Seconds = 5.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
     dial_timeout_s: Seconds = 10.0

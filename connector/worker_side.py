@@ -98,10 +98,12 @@ class WorkerSide:
             secret=secret,
             auth_window_s=self.cfg.auth_window_s,
         )
+        freed = None
         if self.cfg.faults is not None:  # test-only fault injection
             from connector.transfer.faults import FaultyTransport
 
-            self._transport = FaultyTransport(self._transport, self.cfg.faults)
+            freed = self._freed_check(layout)
+            self._transport = FaultyTransport(self._transport, self.cfg.faults, freed)
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
         bell = (
             Doorbell.open(host, self._transport.listen_address[1], guard)
@@ -112,7 +114,8 @@ class WorkerSide:
         me = RankInfo(
             self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
         )
-        spans = Tee(self._spans(), self._metrics) if self._metrics is not None else self._spans()
+        listeners = [x for x in (self._metrics, freed) if x is not None]
+        spans = Tee(self._spans(), *listeners) if listeners else self._spans()
         paths, offer = self._gpu_paths(kv_caches, layout, me)
         sender = receiver = None
         if self.is_producer:
@@ -182,6 +185,21 @@ class WorkerSide:
             producer=self.is_producer,
             consumer=self.is_consumer,
             mode=self.cfg.xfer_paths,
+        )
+
+    def _freed_check(self, layout: Any) -> Any:
+        """Test-only: D's check that no WRITE lands in blocks it freed (or None)."""
+        faults = self.cfg.faults
+        if faults is None or not faults.check_freed_tokens or not self.is_consumer:
+            return None
+        from connector.transfer.freed_check import FreedCheck
+
+        return FreedCheck(
+            faults.check_freed_tokens,
+            layout,
+            self.cfg.receiver_policy(),
+            tracer=engine_tracer(self.engine_id, producer=False),
+            engine_id=self.engine_id,
         )
 
     def _spans(self) -> Any:

@@ -32,6 +32,8 @@ rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
                                          (event scheduled: D scheduled its first step)
         hook_failed [P or D]             only when a connector hook of ours raised for the
                                          request (zero length; reason hook_error)
+        freed_check [D]                  test-only: an aborted transfer's freed blocks
+                                         filled with a pattern -> checked intact
 
 P's transfer spans hang under the decode leg: the registration carries D's context to P,
 and the transfer serves D's leg (P's HTTP answer may be back before its WRITE ends). With
@@ -76,6 +78,10 @@ class Span(str, Enum):
     # P or D: a hook of ours raised for the request (zero length; error, reason hook_error;
     # attribute pushkv.hook names it); the request was let go of definitely
     HOOK_FAILED = "pushkv.hook_failed"
+    # D, test-only (_faults.check_freed_tokens): the blocks of an aborted transfer, filled
+    # with a pattern when D freed them -> checked intact until no WRITE may land (error,
+    # reason late_write, when a byte changed; connector/transfer/freed_check.py)
+    FREED_CHECK = "pushkv.freed_check"
 
 
 class Event(str, Enum):
@@ -132,7 +138,7 @@ class Attr(str, Enum):
     ARRIVAL = "pushkv.router.arrival"
     REASON = "pushkv.reason"  # why a span ended in error
     HOOK = "pushkv.hook"  # on `hook_failed`: the connector hook that raised
-    FAULT = "pushkv.fault"  # an injected fault (test-only, connector/transport/faulty.py)
+    FAULT = "pushkv.fault"  # an injected fault or check (test-only, connector/transfer/faults.py)
     # GenAI semantic conventions
     REQUEST_MODEL = "gen_ai.request.model"
     REQUEST_ID = "gen_ai.request.id"
@@ -148,6 +154,7 @@ class Outcome(str, Enum):
     OK = "ok"
     CANCELLED = "cancelled"  # the client left, or a leg was cancelled
     HOOK_ERROR = "hook_error"  # a connector hook of ours raised (pushkv.reason)
+    LATE_WRITE = "late_write"  # test-only: a WRITE landed in blocks D had freed
 
 
 class Count(str, Enum):
@@ -164,7 +171,7 @@ class Count(str, Enum):
     SEND_FAILED = "send_failed"  # a notification could not be sent
     HOOK_ERRORS = "hook_errors"  # a connector hook of ours raised
     HOOK_EFFECT = "hook_failed_"  # ... and what letting go of its request did (lifecycle)
-    INJECTED = "injected_"  # a fault injected for a test (connector/transport/faulty.py)
+    INJECTED = "injected_"  # a fault injected for a test (connector/transfer/faults.py)
 
 
 class RouterMode(str, Enum):

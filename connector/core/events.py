@@ -77,9 +77,11 @@ class Cancelled:
 
 @dataclass(frozen=True)
 class HeartbeatSeen:
-    """D renewed its interest in the transfer."""
+    """D renewed its interest in the transfer (and says where it waits: a transfer we
+    already ended is answered again there)."""
 
     transfer_id: str
+    d_addr: PeerAddr
 
 
 # ---------------------------------------------------------------- D side (receiver) events

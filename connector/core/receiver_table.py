@@ -38,6 +38,11 @@ class ReceiverTable(TransferTable[RecvRecord, RecvTableEvent, ev.RecvAction]):
     def handle(self, event: ev.RecvEvent | ev.PeerLost, now_ns: int) -> list[ev.RecvAction]:
         if isinstance(event, ev.PeerLost):
             return self._peer_lost(event.agent, now_ns)
+        if isinstance(event, ev.Expected) and not self.live[RecvState.AWAITING]:
+            # D starts waiting: the first heartbeat is one interval away. A transfer that
+            # ends sooner costs none; one whose answer was lost learns of it then (P
+            # answers a heartbeat for a transfer it ended).
+            self._next_heartbeat_ns = now_ns + self.policy.heartbeat_interval_ns
         return self._apply_counted(event.transfer_id, event, now_ns)
 
     def tick(self, now_ns: int) -> list[ev.RecvAction]:
@@ -83,9 +88,7 @@ class ReceiverTable(TransferTable[RecvRecord, RecvTableEvent, ev.RecvAction]):
     # ------------------------------------------------------------------ queries
     def next_deadline_ns(self) -> int | None:
         d = super().next_deadline_ns()
-        if self._next_heartbeat_ns is not None and any(
-            r.state is RecvState.AWAITING for r in self._records.values()
-        ):
+        if self._next_heartbeat_ns is not None and self.live[RecvState.AWAITING]:
             d = self._next_heartbeat_ns if d is None else min(d, self._next_heartbeat_ns)
         return d
 

@@ -303,7 +303,11 @@ def _s_terminal_prefill_aborted(
     return []
 
 
-def _s_terminal_cancelled(rec: SendRecord, e: ev.Cancelled, ctx: SendCtx) -> list[ev.SendAction]:
+def _s_terminal_answer(
+    rec: SendRecord, e: ev.Cancelled | ev.HeartbeatSeen, ctx: SendCtx
+) -> list[ev.SendAction]:
+    # D still asks about a transfer we ended: our answer was lost or crossed its message.
+    # Tell it again, so a lost `done` or `fail` costs D one heartbeat, not its deadline.
     if rec.state is SendState.DONE:
         # The bytes are in D's blocks: an answer ends D's wait sooner than its grace.
         return [ev.ResendCompletion(rec.transfer_id, (e.d_addr,))]
@@ -349,7 +353,8 @@ SEND_TABLE: dict[tuple[SendState, type], SendTransition] = {
         for t in _SEND_TERMINAL
         if t is not _S.DONE
     },
-    **{(t, ev.Cancelled): _s_terminal_cancelled for t in _SEND_TERMINAL},
+    **{(t, ev.Cancelled): _s_terminal_answer for t in _SEND_TERMINAL},
+    **{(t, ev.HeartbeatSeen): _s_terminal_answer for t in _SEND_TERMINAL},
     **{(t, ev.SourceReclaimed): _s_ignore for t in _SEND_TERMINAL},
 }
 

@@ -1,8 +1,10 @@
 """Test-only fault injection on a real engine: ``FaultyTransport`` wraps a rank's transport.
 
-Owns: failing a WRITE's post (P) and losing a transfer's first ``done`` notification (D),
-for transfers whose prompt has a chosen number of tokens (the registration says it), so a
-test picks the faulty request by its prompt. Configured by ``kv_connector_extra_config``'s
+Owns: failing a WRITE's post (P), holding a WRITE in flight until D's cancel for it has
+arrived (P), and losing a transfer's first ``done`` notification (D), for transfers whose
+prompt has a chosen number of tokens (the registration says it), so a test picks the
+faulty request by its prompt; on D it also feeds and polls the freed-block check
+(``connector.transfer.freed_check``). Configured by ``kv_connector_extra_config``'s
 ``_faults`` (``connector.config.Faults``, docs/operations.md#fault-injection-test-only);
 absent by default, when nothing is wrapped and nothing costs. Never for production.
 """
@@ -10,7 +12,10 @@ absent by default, when nothing is wrapped and nothing costs. Never for producti
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,10 +23,26 @@ import numpy as np
 from connector.config import Faults
 from connector.core import messages as m
 from connector.core.errors import RemoteProtocolError, TransportError
-from connector.transport.base import WriteHandle
+from connector.transfer.freed_check import FreedCheck
+from connector.transport.base import WriteHandle, validate_write_descs
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
+
+# What P logs when it posts a held WRITE (tests look for it with the transfer id).
+POSTED_AFTER_CANCEL = "held WRITE posted after D's cancel"
+POSTED_UNCANCELLED = "held WRITE posted with no cancel"
+
+
+@dataclass
+class _Held:
+    """A WRITE the Sender issued that is not posted yet (``hold_write_tokens``)."""
+
+    tid: str
+    args: tuple[Any, ...]
+    mem: dict[str, str]
+    post_by_s: float
+    inner: WriteHandle | None = None
 
 
 def _decode(frame: bytes) -> m.Message | None:
@@ -34,13 +55,21 @@ def _decode(frame: bytes) -> m.Message | None:
 
 
 class FaultyTransport:
-    """Every Transport member passes through to ``inner``; ``write``, ``send_notif`` and
-    ``get_notifs`` first apply ``faults``."""
+    """Every Transport member passes through to ``inner``; ``write``, ``poll_write``,
+    ``release``, ``send_notif`` and ``get_notifs`` first apply ``faults``."""
 
-    def __init__(self, inner: Any, faults: Faults) -> None:
-        self._inner, self._faults = inner, faults
+    def __init__(
+        self,
+        inner: Any,
+        faults: Faults,
+        freed: FreedCheck | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._inner, self._faults, self.freed, self._clock = inner, faults, freed, clock
         self._fail_write: set[str] = set()  # P: transfer ids whose WRITE post fails
         self._drop_done: set[str] = set()  # D: transfer ids whose first `done` is lost
+        self._hold: set[str] = set()  # P: transfer ids whose WRITE is to be held
+        self._held: dict[str, bool] = {}  # P: ... held now: has D's cancel come?
         self.counters: Counter[str] = Counter()
 
     def __getattr__(self, name: str) -> Any:
@@ -51,19 +80,27 @@ class FaultyTransport:
         logger.warning("pushkv test fault injected: %s (transfer %s)", kind, tid)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        tokens = self._faults.drop_completion_tokens
-        if tokens:
-            reg = _decode(msg)
-            if isinstance(reg, m.Register) and reg.num_tokens == tokens:
-                self._drop_done.add(reg.transfer_id)
+        if self._faults.drop_completion_tokens or self.freed is not None:
+            sent = _decode(msg)
+            tokens = self._faults.drop_completion_tokens
+            if isinstance(sent, m.Register) and tokens and sent.num_tokens == tokens:
+                self._drop_done.add(sent.transfer_id)
+            if self.freed is not None and sent is not None:
+                self.freed.sent(sent)
         self._inner.send_notif(peer, msg)
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
+        if self.freed is not None:
+            self.freed.poll()
         out = []
         for agent, frame in self._inner.get_notifs():
             msg = _decode(frame)
             if isinstance(msg, m.Register) and msg.num_tokens == self._faults.fail_write_tokens:
                 self._fail_write.add(msg.transfer_id)
+            if isinstance(msg, m.Register) and msg.num_tokens == self._faults.hold_write_tokens:
+                self._hold.add(msg.transfer_id)
+            if isinstance(msg, m.Cancel) and msg.transfer_id in self._held:
+                self._held[msg.transfer_id] = True
             if isinstance(msg, m.Completion) and msg.transfer_id in self._drop_done:
                 self._drop_done.discard(msg.transfer_id)  # only the first: a resend gets in
                 self._injected("drop_completion", msg.transfer_id)
@@ -79,5 +116,48 @@ class FaultyTransport:
             self._fail_write.discard(done.transfer_id)
             self._injected("fail_write", done.transfer_id)
             raise TransportError("injected WRITE failure (test-only _faults)")
+        if done is not None and done.transfer_id in self._hold:
+            self._hold.discard(done.transfer_id)
+            self._held[done.transfer_id] = False
+            self._injected("hold_write", done.transfer_id)
+            src_a, _, nbytes = validate_write_descs(src, dst)
+            held = _Held(
+                done.transfer_id,
+                (peer, src, dst, notif),
+                dict(mem),
+                self._clock() + self._faults.hold_write_s,
+            )
+            return WriteHandle(peer, nbytes, len(src_a), time.time_ns(), native=held)
         handle: WriteHandle = self._inner.write(peer, src, dst, notif, **mem)
         return handle
+
+    def poll_write(self, handle: WriteHandle) -> bool:
+        held = handle.native
+        if not isinstance(held, _Held):
+            done: bool = self._inner.poll_write(handle)
+            return done
+        if held.inner is None:
+            cancelled = self._held[held.tid]
+            if not cancelled and self._clock() < held.post_by_s:
+                return False  # in flight, as far as the Sender knows
+            del self._held[held.tid]
+            # Posted only now: when D's cancel came first, every byte lands after it.
+            held.inner = self._inner.write(*held.args, **held.mem)
+            logger.warning(
+                "pushkv test fault: %s (transfer %s)",
+                POSTED_AFTER_CANCEL if cancelled else POSTED_UNCANCELLED,
+                held.tid,
+            )
+        inner_done: bool = self._inner.poll_write(held.inner)
+        return inner_done
+
+    def release(self, handle: WriteHandle) -> None:
+        held = handle.native
+        if not isinstance(held, _Held):
+            self._inner.release(handle)
+            return
+        handle.released = True
+        if held.inner is not None:
+            self._inner.release(held.inner)
+        else:
+            self._held.pop(held.tid, None)  # aborted before it was posted: never is

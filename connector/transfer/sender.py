@@ -161,7 +161,7 @@ class Sender:
         elif isinstance(msg, m.Heartbeat):
             self.counters["heartbeats"] += 1
             for tid in msg.transfer_ids():
-                self._run(self.table.handle(ev.HeartbeatSeen(tid), now_ns), now_ns)
+                self._run(self.table.handle(ev.HeartbeatSeen(tid, msg.d_addr), now_ns), now_ns)
         elif isinstance(msg, m.IpcOffer):
             if self.paths is None:
                 self.counters["ipc_offers_ignored"] += 1

@@ -250,13 +250,20 @@ def test_injected_write_failure_fails_d_at_once() -> None:
     assert pair.receiver.counters[f"{Count.RECV_FAILED.value}post_error"] == 1
 
 
-def test_injected_lost_completion_is_recovered_by_ds_deadline_and_ps_resend() -> None:
-    pair = Pair(recv_policy=ReceiverPolicy(timeout_ns=30 * MS, write_timeout_ns=10 * MS))
+def _lost_done(policy: ReceiverPolicy) -> tuple[Pair, FaultyTransport]:
+    """A pair whose D loses the first `done` of a 16-token transfer, started."""
+    pair = Pair(recv_policy=policy)
     faulty = FaultyTransport(pair.td, Faults(drop_completion_tokens=16))
     pair.receiver.peers._t = faulty
     pair.td = faulty
     pair.expect("t", 16, (4,))
     pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now)
+    return pair, faulty
+
+
+def test_injected_lost_completion_is_recovered_by_ds_deadline_and_ps_resend() -> None:
+    # D's first heartbeat would come after its deadline (30 ms): the cancel asks P.
+    pair, faulty = _lost_done(ReceiverPolicy(timeout_ns=30 * MS, write_timeout_ns=10 * MS))
     pair.pump(rounds=10)
     assert pair.receiver.finished == [], "the first done was lost: D still waits"
     pair.pump(rounds=40)  # D's deadline: cancel; P, DONE, answers with a fresh done
@@ -265,3 +272,19 @@ def test_injected_lost_completion_is_recovered_by_ds_deadline_and_ps_resend() ->
     assert faulty.counters[f"{Count.INJECTED.value}drop_completion"] == 1
     assert pair.sender.counters[Count.COMPLETION_RESENT.value] == 1
     assert not any(k.startswith(Count.RECV_FAILED.value) for k in pair.receiver.counters)
+
+
+def test_injected_lost_completion_is_learned_at_ds_next_heartbeat() -> None:
+    # D's deadline is far (1 s): its heartbeat (every 5 ms) makes P, DONE, send `done` again.
+    policy = ReceiverPolicy(
+        timeout_ns=1_000 * MS, write_timeout_ns=500 * MS, heartbeat_interval_ns=5 * MS
+    )
+    pair, faulty = _lost_done(policy)
+    pair.pump(rounds=3)
+    assert pair.receiver.finished == [], "the first done was lost: D still waits"
+    pair.pump(rounds=10)
+    (got,) = pair.receiver.finished
+    assert got.ok and pair.now <= 13 * MS  # one heartbeat after the WRITE, not 1 s
+    assert faulty.counters[f"{Count.INJECTED.value}drop_completion"] == 1
+    assert pair.sender.counters[Count.COMPLETION_RESENT.value] == 1
+    assert pair.receiver.counters["heartbeats_sent"] >= 1

@@ -82,9 +82,9 @@ def test_heartbeats_renew_a_registration_but_never_past_its_ttl() -> None:
     p.handle(ev.Registered(_register(0, ttl_ms=100, write_ms=40)), 0)
     rec = p.get("t0")
     assert rec is not None and rec.deadline_ns == 30 * MS  # P's own cap
-    p.handle(ev.HeartbeatSeen("t0"), 20 * MS)
+    p.handle(ev.HeartbeatSeen("t0", d_addr(0)), 20 * MS)
     assert rec.deadline_ns == 50 * MS  # renewed by the cap...
-    p.handle(ev.HeartbeatSeen("t0"), 90 * MS)
+    p.handle(ev.HeartbeatSeen("t0", d_addr(0)), 90 * MS)
     assert rec.deadline_ns == 100 * MS  # ...but never past D's bound
     out = p.tick(100 * MS)
     assert _kinds(out) == [ev.SendFail] and out[0].reason is FailReason.REGISTRATION_EXPIRED

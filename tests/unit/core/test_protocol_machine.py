@@ -237,7 +237,9 @@ class PushProtocol(RuleBasedStateMachine):
                 )
             elif isinstance(msg, m.Heartbeat):
                 for tid in msg.transfer_ids():
-                    self._p_do(rank, self.P[rank].handle(ev.HeartbeatSeen(tid), self.now))
+                    self._p_do(
+                        rank, self.P[rank].handle(ev.HeartbeatSeen(tid, msg.d_addr), self.now)
+                    )
         else:
             if isinstance(msg, m.Completion):
                 self._d_do(

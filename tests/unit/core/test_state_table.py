@@ -38,7 +38,7 @@ SEND_EVENTS = [
     ev.WriteDone("t0"),
     ev.WriteFailed("t0", FailReason.WRITE_ERROR),
     ev.Cancelled("t0", 0, d_addr(0), FailReason.ABORTED),
-    ev.HeartbeatSeen("t0"),
+    ev.HeartbeatSeen("t0", d_addr(0)),
     ev.SourceReclaimed("t0"),
     ev.Cancelled("t0", 0, d_addr(0), FailReason.NOT_NEEDED),
     DeadlinePassed("t0"),
