@@ -34,21 +34,7 @@ from tests.e2e.test_push_e2e import decode_leg, greedy_body, random_prompt, stre
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SPANS_WAIT_S = 30.0  # the exporters flush every 0.5 s; a loaded box may take longer
-PUSH_SPANS = (
-    Span.REQUEST,
-    Span.INGRESS,
-    Span.ROUTE,
-    Span.PREFILL_LEG,
-    Span.DECODE_LEG,
-    Span.FIRST_BYTE,
-    Span.PREFILL,
-    Span.RENDEZVOUS_WAIT,
-    Span.PREPARE_DESCRIPTORS,
-    Span.WRITE,
-    Span.REGISTER,
-    Span.AWAIT_KV,
-    Span.FIRST_TOKEN,
-)
+# the router's spans of a request on a connection already open (a new one adds connect)
 ROUTER_SPANS = (
     Span.REQUEST,
     Span.INGRESS,
@@ -56,6 +42,16 @@ ROUTER_SPANS = (
     Span.PREFILL_LEG,
     Span.DECODE_LEG,
     Span.FIRST_BYTE,
+)
+PUSH_SPANS = (
+    *ROUTER_SPANS,
+    Span.PREFILL,
+    Span.RENDEZVOUS_WAIT,
+    Span.PREPARE_DESCRIPTORS,
+    Span.WRITE,
+    Span.REGISTER,
+    Span.AWAIT_KV,
+    Span.FIRST_TOKEN,
 )
 PARENT = {
     Span.INGRESS: Span.REQUEST,
