@@ -124,7 +124,11 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
             trust = LegTrust(load_secret(self._cfg), frozenset(self._cfg.trusted_prefill))
             _log_security(trust, ktc.is_kv_consumer)
             self._sched = SchedulerSide(
-                ktc.engine_id, ktc.is_kv_producer, ktc.is_kv_consumer, trust
+                ktc.engine_id,
+                ktc.is_kv_producer,
+                ktc.is_kv_consumer,
+                trust,
+                host=self._cfg.side_channel_host,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
