@@ -19,8 +19,8 @@ from dashboard.data import (
     percentiles,
     pow2_bucket,
 )
-from telemetry.otlp_json import Trace
-from telemetry.schema import Attr, Span
+from telemetry.otlp_json import SpanRecord, StatusCode, Trace
+from telemetry.schema import Attr, Resource, Span
 from telemetry.traces import read_run
 from tests.fixtures.traces import HERE, run_dirs, run_ids
 
@@ -148,3 +148,37 @@ def test_traces_without_a_request_span_are_counted_not_listed(tmp_path: Path) ->
     assert run.not_requests == 1 and len(run.requests) == len(run.traces) - 1
     orphan = next(tid for tid, t in run.traces.items() if t.first(Span.REQUEST.value) is None)
     assert orphan not in set(run.requests["trace_id"]) and run.paths[orphan] is None
+
+
+def test_the_table_says_which_p_and_d_served() -> None:
+    """From the router's request span; else (D alone, degraded: no P) the engines' address."""
+
+    def span(name: str, attrs: dict[str, object], resource: dict[str, object]) -> SpanRecord:
+        return SpanRecord(
+            "t" * 32,
+            name[:16].ljust(16, "0"),
+            None,
+            name,
+            1,
+            1,
+            2,
+            StatusCode.UNSET,
+            "",
+            attrs,
+            (),
+            resource,
+        )
+
+    routed = span(
+        Span.REQUEST.value,
+        {Attr.PREFILL_URL.value: "http://10.213.1.2:8100", Attr.DECODE_URL.value: ""},
+        {},
+    )
+    d = span(
+        Span.AWAIT_KV.value,
+        {},
+        {Resource.ROLE.value: "decode", Resource.HOST_ADDR.value: "10.213.1.4"},
+    )
+    run = analyse("t", [Trace("t" * 32, (routed, d))])
+    row = run.requests.iloc[0]
+    assert (row["prefill"], row["decode"]) == ("10.213.1.2:8100", "10.213.1.4")
