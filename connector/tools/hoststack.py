@@ -34,7 +34,7 @@ from connector.tools.pdstack import (
     server_affinity,
     trace_env,
 )
-from connector.tools.stack import ServerError, Stack, VllmServer
+from connector.tools.stack import ServerError, Stack, VllmServer, tail_lines
 
 LOOPBACK = "127.0.0.1"
 
@@ -181,6 +181,16 @@ class HostStack:
         finally:
             if self.bed is not None:
                 self.bed.close()
+
+    def log_errors(self, per_log: int = 20) -> str:
+        """The last lines naming an error in each server's log: a server that failed to
+        start says why there, above the traceback its API server ends with."""
+        out = []
+        for s in self.servers:
+            lines = tail_lines(s.log, 2000).splitlines()
+            hits = [ln for ln in lines if "Error" in ln or "error" in ln][-per_log:]
+            out.append(f"--- {s.log}\n" + "\n".join(hits))
+        return "\n".join(out)
 
     def describe(self) -> str:
         """URLs, PIDs (each leads its process group) and logs, one line each."""

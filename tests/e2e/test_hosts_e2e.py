@@ -27,6 +27,7 @@ import pytest
 from connector.tools.hoststack import TWO_BY_TWO, HostStack, Instance
 from connector.tools.netbed import Unavailable
 from connector.tools.pdstack import metric_sum
+from connector.tools.stack import ServerError
 from dashboard.data import request_frame
 from telemetry.critical_path import critical_path
 from telemetry.otlp_json import Trace
@@ -80,6 +81,9 @@ def hosts(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Hosts]:
         stack.start(START_TIMEOUT_S)
     except Unavailable as exc:
         pytest.skip(str(exc))
+    except ServerError:
+        print(f"\n[hosts] errors in the servers' logs:\n{stack.log_errors()}")
+        raise
     try:
         print(f"\n[hosts] 2P2D healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
         for s in stack.prefills:
