@@ -25,6 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from connector.config import parse_config
 from connector.tools.netbed import Host, NetBed
 from connector.tools.pdstack import (
     ROUTER_HEALTH_TIMEOUT_S,
@@ -111,6 +112,7 @@ class HostStack:
         engine_id = f"{role}-{index}"
         addr = where.addr if where is not None else LOOPBACK
         extra = {"side_channel_host": addr, **inst.extra_config}
+        parse_config(extra)  # a bad knob fails here, not in four servers' workers
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         env = {"VLLM_CPU_OMP_THREADS_BIND": inst.cpus, **trace_env(self.run_dir, self.tracing)}
         if where is not None:

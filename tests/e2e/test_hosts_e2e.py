@@ -47,7 +47,12 @@ START_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 60.0
 METRIC_SETTLE_S = 10.0  # vLLM's counters may trail the answer a moment
 SPAN_WAIT_S = 20.0  # the exporters write in batches (100 ms engines, 500 ms router)
-D_CONFIG = {"receive_timeout_s": 10.0, "dial_timeout_s": 2.0, "grace_s": 2.0}
+D_CONFIG = {
+    "receive_timeout_s": 10.0,
+    "write_timeout_s": 5.0,
+    "dial_timeout_s": 2.0,
+    "grace_s": 2.0,
+}
 # A request can meet the killed P and then the killed D: three attempts cover both.
 ROUTER_ARGS = ["--max-attempts", "3"]
 PROMPTS = [random_prompt(40 + 23 * i, seed=100 + i) for i in range(12)]

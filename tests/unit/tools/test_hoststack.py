@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from connector.config import parse_config
+from connector.core.errors import ConfigError
 from connector.tools.hoststack import LOOPBACK, HostStack, Instance
 from connector.tools.netbed import Host
 from connector.tools.pdstack import cpu_set
@@ -42,6 +43,12 @@ def test_a_server_on_loopback_at_tp_2(tmp_path: Path) -> None:
     assert cmd[0] != "ip" and cmd[cmd.index("--host") + 1] == LOOPBACK
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert s.child_env()["UCX_NET_DEVICES"] == "lo"  # the default: loopback UCX
+
+
+def test_a_bad_knob_fails_before_anything_starts(tmp_path: Path) -> None:
+    bad = Instance("0", extra_config={"receive_timeout_s": 5.0})  # below write_timeout_s
+    with pytest.raises(ConfigError, match="write_timeout_s must be shorter"):
+        _stack(tmp_path)._server("decode", 0, bad, HOST, 8200)
 
 
 def test_an_instance_needs_one_cpu_list_per_rank() -> None:
