@@ -47,6 +47,7 @@ START_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 60.0
 METRIC_SETTLE_S = 10.0  # vLLM's counters may trail the answer a moment
 SPAN_WAIT_S = 20.0  # the exporters write in batches (100 ms engines, 500 ms router)
+HEALTH_WAIT_S = 15.0  # a few of the router's health intervals
 D_CONFIG = {
     "receive_timeout_s": 10.0,
     "write_timeout_s": 5.0,
@@ -257,7 +258,17 @@ def test_one_p_and_one_d_killed_under_load(hosts: Hosts) -> None:
     assert_matches_reference(got, hosts.refs[0], "after the kills")
     delta = legs_ok(hosts) - before
     assert set(delta) == {("prefill", stack.prefills[1].url), ("decode", stack.decodes[1].url)}
-    metrics = hosts.router.get("/metrics").text
+    # Its health checks (every 2 s) see both gone.
+    deadline = time.monotonic() + HEALTH_WAIT_S
     for role, s in (("prefill", stack.prefills[0]), ("decode", stack.decodes[0])):
-        healthy = metric_sum(metrics, Metric.ROUTER_BACKEND_HEALTHY.value, role=role, backend=s.url)
-        assert healthy == 0, f"the router still counts the killed {role} {s.url} healthy"
+        while (
+            metric_sum(
+                hosts.router.get("/metrics").text,
+                Metric.ROUTER_BACKEND_HEALTHY.value,
+                role=role,
+                backend=s.url,
+            )
+            != 0
+        ):
+            assert time.monotonic() < deadline, f"the router still counts {role} {s.url} healthy"
+            time.sleep(0.2)
