@@ -17,13 +17,11 @@ Must not import vLLM, NIXL or torch (see ``connector.tools.stack``). Needs root 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from connector.config import parse_config
 from connector.tools.netbed import Host, NetBed
@@ -35,7 +33,7 @@ from connector.tools.pdstack import (
     server_affinity,
     trace_env,
 )
-from connector.tools.stack import ServerError, Stack, VllmServer, tail_lines
+from connector.tools.stack import ServerError, Stack, StartStop, VllmServer, tail_lines
 
 LOOPBACK = "127.0.0.1"
 
@@ -70,7 +68,7 @@ TWO_BY_TWO = ((Instance("0"), Instance("1")), (Instance("1"), Instance("0")))
 
 
 @dataclass
-class HostStack:
+class HostStack(StartStop):
     """``prefills`` and ``decodes`` (pushkv, engine ids ``prefill-<i>``, ``decode-<i>``), each
     on a host of its own when ``on_hosts``, and the router; logs and traces in ``run_dir``."""
 
@@ -199,16 +197,3 @@ class HostStack:
         rows = [("router", self.router.url, self.router.pid, self.router.log_path)]
         rows += [(s.log.stem, s.url, s.pid, s.log) for s in self.servers]
         return "\n".join(f"{name:9} {url:26} pid {pid}  log {log}" for name, url, pid, log in rows)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        with contextlib.suppress(ServerError) if exc is not None else contextlib.nullcontext():
-            self.stop()

@@ -15,7 +15,6 @@ Must not import vLLM, NIXL or torch (see ``connector.tools.stack``). Needs only 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -24,15 +23,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, ClassVar, Self
+from typing import IO, Any, ClassVar
 
 import httpx
 
 from connector.tools.stack import (
     ChildProcess,
-    ServerError,
     Stack,
+    StartStop,
     VllmServer,
     free_port,
     group_cpu_s,
@@ -192,7 +190,7 @@ class RouterProcess(ChildProcess):
 
 
 @dataclass
-class PdStack:
+class PdStack(StartStop):
     """P (kv_producer, engine id ``prefill``), D (kv_consumer, engine id ``decode``) and the
     router, on free ports, logging to ``run_dir``. ``connector_name`` is a key of
     ``CONNECTORS``; the extra configs become each side's ``kv_connector_extra_config``.
@@ -359,17 +357,3 @@ class PdStack:
             ("decode", self.decode.url, self.decode.pid, self.decode.log),
         ]
         return "\n".join(f"{name:8} {url:24} pid {pid}  log {log}" for name, url, pid, log in rows)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Leaving on an error: that error is the one to see, not a failed stop after it.
-        with contextlib.suppress(ServerError) if exc is not None else contextlib.nullcontext():
-            self.stop()
