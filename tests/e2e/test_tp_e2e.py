@@ -32,10 +32,12 @@ HTTP_TIMEOUT_S = 60.0
 SPAN_WAIT_S = 20.0
 METRIC_SETTLE_S = 10.0
 PROMPTS = [random_prompt(n, seed=200 + n) for n in (30, 129, 300)]
-# TP 2 all-reduces each layer's output in two partial sums: a P at another TP size than D
-# hands over KV whose later layers differ from D's own in the last bf16 bits, so the
-# logprobs may differ by that much (the tokens must not).
-LOGPROB_TOL = 5e-2
+# TP 2 all-reduces each layer's output in two partial sums, so a single instance at TP 2 and
+# one at TP 1 differ in the last bf16 bits, which the tiny model's selective attention turns
+# into logprob differences of ~0.1 (the tokens agree). A P at one TP size hands D KV computed
+# at that size: the answer must be D's own in text and tokens, and its logprobs no further
+# from D's than the two single instances are from each other (with a margin).
+SPREAD_MARGIN, SPREAD_FLOOR = 2.0, 0.02
 CASES = {
     "P-TP2-D-TP1": (Instance("0|1", tp=2), Instance("1")),
     "P-TP1-D-TP2": (Instance("0"), Instance("1|0", tp=2)),
@@ -80,14 +82,23 @@ def transfers(url: str, side: str) -> float:
     return metric_sum(text, Metric.TRANSFERS.value, side=side, outcome="done") or 0.0
 
 
-def close_to(got: dict[str, Any], ref: dict[str, Any], what: str) -> float:
-    text, tokens, lps = choice(got)
-    ref_text, ref_tokens, ref_lps = choice(ref)
+def worst_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(abs(x - y) for x, y in zip(choice(a)[2], choice(b)[2], strict=True))
+
+
+def close_to(
+    got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str
+) -> float:
+    """``got`` is ``ref`` (D alone) up to the TP sizes' own numerical spread, measured as
+    ``ref`` against ``other_tp`` (the same prompt on P alone)."""
     assert got["usage"]["completion_tokens"] == MAX_TOKENS, what
-    assert (text, tokens) == (ref_text, ref_tokens), f"{what}: output differs from D alone"
-    worst = max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True))
-    assert worst <= LOGPROB_TOL, f"{what}: logprobs {lps} vs {ref_lps}"
-    return worst
+    assert choice(got)[:2] == choice(ref)[:2], f"{what}: output differs from D alone"
+    gap, spread = worst_gap(got, ref), worst_gap(other_tp, ref)
+    print(f"[tp] {what}: logprobs off D alone by {gap:.3f}, P alone by {spread:.3f}")
+    assert gap <= max(SPREAD_MARGIN * spread, SPREAD_FLOOR), (
+        f"{what}: logprobs {choice(got)[2]} vs D alone {choice(ref)[2]}"
+    )
+    return gap
 
 
 def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) -> None:
@@ -95,9 +106,13 @@ def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) 
     p_tp, d_tp = (len(s.env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) for s in (p, d))
     sent0, recv0 = transfers(p.url, "send"), transfers(d.url, "recv")
     trace_ids, worst = [], 0.0
-    with _client(tp_stack.url) as router, _client(d.url) as dc:
+    with _client(tp_stack.url) as router, _client(d.url) as dc, _client(p.url) as pc:
         for i, prompt in enumerate(PROMPTS):
-            ref = post_ok(dc, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex))
+            salted = greedy_body(prompt, cache_salt=uuid.uuid4().hex)
+            ref, p_alone = (
+                post_ok(dc, "/v1/completions", salted),
+                post_ok(pc, "/v1/completions", salted),
+            )
             tid = uuid.uuid4().hex
             resp = router.post(
                 "/v1/completions",
@@ -105,7 +120,8 @@ def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) 
                 headers={"traceparent": f"00-{tid}-{uuid.uuid4().hex[:16]}-01"},
             )
             assert resp.status_code == 200, resp.text
-            worst = max(worst, close_to(resp.json(), ref, f"prompt {i}, P TP {p_tp}, D TP {d_tp}"))
+            what = f"prompt {i}, P TP {p_tp}, D TP {d_tp}"
+            worst = max(worst, close_to(resp.json(), ref, p_alone, what))
             trace_ids.append(tid)
     print(f"\n[tp] P TP {p_tp} -> D TP {d_tp}: worst logprob difference {worst:.2e}")
     # Each D rank holds the heads of max(1, p_tp // d_tp) P ranks and waits for that many
