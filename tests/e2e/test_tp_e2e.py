@@ -31,13 +31,16 @@ START_TIMEOUT_S = 240.0
 HTTP_TIMEOUT_S = 60.0
 SPAN_WAIT_S = 20.0
 METRIC_SETTLE_S = 10.0
-PROMPTS = [random_prompt(n, seed=200 + n) for n in (30, 129, 300)]
+PROMPTS = [random_prompt(n, seed=200 + n) for n in (30, 64, 129, 200, 300, 500)]
 # TP 2 all-reduces each layer's output in two partial sums, so a single instance at TP 2 and
-# one at TP 1 differ in the last bf16 bits, which the tiny model's selective attention turns
-# into logprob differences of ~0.1 (the tokens agree). A P at one TP size hands D KV computed
-# at that size: the answer must be D's own in text and tokens, and its logprobs no further
-# from D's than the two single instances are from each other (with a margin).
-SPREAD_MARGIN, SPREAD_FLOOR = 2.0, 0.02
+# one at TP 1 differ in the last bf16 bits; on the tiny model (selective attention, near-tie
+# logits) that moves logprobs by ~0.1 and, for some prompts, flips a greedy token (P alone and
+# D alone disagreed from some token on 2 of 3 prompts). A P at one TP size hands D KV
+# computed at that size, so the answer is compared with the single instances where they
+# agree: on their common tokens it must have the same tokens, its logprobs within
+# LOGPROB_TOL of D alone's (measured: at most 0.108). KV landing in the wrong heads or blocks
+# changes the tokens from the first one.
+LOGPROB_TOL = 0.3
 CASES = {
     "P-TP2-D-TP1": (Instance("0|1", tp=2), Instance("1")),
     "P-TP1-D-TP2": (Instance("0"), Instance("1|0", tp=2)),
@@ -82,30 +85,27 @@ def transfers(url: str, side: str) -> float:
     return metric_sum(text, Metric.TRANSFERS.value, side=side, outcome="done") or 0.0
 
 
-def worst_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
-    return max(abs(x - y) for x, y in zip(choice(a)[2], choice(b)[2], strict=True))
-
-
-def close_to(
-    got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str
-) -> float:
-    """``got`` is ``ref`` (D alone) up to the TP sizes' own numerical spread, measured as
-    ``ref`` against ``other_tp`` (the same prompt on P alone)."""
+def agreed(got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str) -> int:
+    """``got`` equals ``ref`` (D alone) on the tokens where ``ref`` and ``other_tp`` (P alone,
+    the other TP size) agree; how many tokens that was."""
     assert got["usage"]["completion_tokens"] == MAX_TOKENS, what
-    assert choice(got)[:2] == choice(ref)[:2], f"{what}: output differs from D alone"
-    gap, spread = worst_gap(got, ref), worst_gap(other_tp, ref)
-    print(f"[tp] {what}: logprobs off D alone by {gap:.3f}, P alone by {spread:.3f}")
-    assert gap <= max(SPREAD_MARGIN * spread, SPREAD_FLOOR), (
-        f"{what}: logprobs {choice(got)[2]} vs D alone {choice(ref)[2]}"
+    (_, tokens, lps), (_, ref_tokens, ref_lps) = choice(got), choice(ref)
+    k = next(
+        (i for i, (a, b) in enumerate(zip(ref_tokens, choice(other_tp)[1], strict=True)) if a != b),
+        len(ref_tokens),
     )
-    return gap
+    assert tokens[:k] == ref_tokens[:k], f"{what}: {tokens} vs D alone {ref_tokens}"
+    gap = max((abs(a - b) for a, b in zip(lps[:k], ref_lps[:k], strict=True)), default=0.0)
+    print(f"[tp] {what}: the single instances agree on {k} tokens; logprobs off by {gap:.3f}")
+    assert gap <= LOGPROB_TOL, f"{what}: logprobs {lps[:k]} vs D alone {ref_lps[:k]}"
+    return k
 
 
 def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) -> None:
     p, d = tp_stack.prefills[0], tp_stack.decodes[0]
     p_tp, d_tp = (len(s.env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) for s in (p, d))
     sent0, recv0 = transfers(p.url, "send"), transfers(d.url, "recv")
-    trace_ids, worst = [], 0.0
+    trace_ids, compared = [], 0
     with _client(tp_stack.url) as router, _client(d.url) as dc, _client(p.url) as pc:
         for i, prompt in enumerate(PROMPTS):
             salted = greedy_body(prompt, cache_salt=uuid.uuid4().hex)
@@ -121,21 +121,22 @@ def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) 
             )
             assert resp.status_code == 200, resp.text
             what = f"prompt {i}, P TP {p_tp}, D TP {d_tp}"
-            worst = max(worst, close_to(resp.json(), ref, p_alone, what))
+            compared += agreed(resp.json(), ref, p_alone, what)
             trace_ids.append(tid)
-    print(f"\n[tp] P TP {p_tp} -> D TP {d_tp}: worst logprob difference {worst:.2e}")
+    assert compared >= MAX_TOKENS, f"the single instances agreed on only {compared} tokens"
     # Each D rank holds the heads of max(1, p_tp // d_tp) P ranks and waits for that many
-    # completions; each P rank WRITEs its heads into every D rank that holds them.
+    # completions; each P rank WRITEs its heads into every D rank that holds them, and
+    # counts that as one transfer.
     writers = max(1, p_tp // d_tp)
     n = len(PROMPTS)
     deadline = time.monotonic() + METRIC_SETTLE_S
     while (transfers(d.url, "recv") - recv0, transfers(p.url, "send") - sent0) != (
         n * d_tp,
-        n * max(p_tp, d_tp),
+        n * p_tp,
     ):
         assert time.monotonic() < deadline, (
             f"transfers done: D {transfers(d.url, 'recv') - recv0} (want {n * d_tp}), "
-            f"P {transfers(p.url, 'send') - sent0} (want {n * max(p_tp, d_tp)})"
+            f"P {transfers(p.url, 'send') - sent0} (want {n * p_tp})"
         )
         time.sleep(0.2)
     deadline = time.monotonic() + SPAN_WAIT_S
