@@ -35,10 +35,10 @@ PROMPTS = [random_prompt(n, seed=200 + n) for n in (30, 64, 129, 200, 300, 500)]
 # TP 2 all-reduces each layer's output in two partial sums, so a single instance at TP 2 and
 # one at TP 1 differ in the last bf16 bits; on the tiny model (selective attention, near-tie
 # logits) that moves logprobs by ~0.1 and, for some prompts, flips a greedy token (P alone and
-# D alone disagreed from some token on 2 of 3 prompts). A P at one TP size hands D KV
+# D alone disagreed from some token on 3 of these 6 prompts). A P at one TP size hands D KV
 # computed at that size, so the answer is compared with the single instances where they
 # agree: on their common tokens it must have the same tokens, its logprobs within
-# LOGPROB_TOL of D alone's (measured: at most 0.108). KV landing in the wrong heads or blocks
+# LOGPROB_TOL of D alone's (measured: at most 0.115). KV landing in the wrong heads or blocks
 # changes the tokens from the first one.
 LOGPROB_TOL = 0.3
 CASES = {
