@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for the logs and traces (default: runs/demo-<time>, linked as runs/latest)",
     )
     demo.add_argument(
+        "--hosts",
+        action="store_true",
+        help="2 P and 2 D (pushkv), each on a simulated host of its own (a network "
+        "namespace; needs root), the router outside",
+    )
+    demo.add_argument(
         "--transport",
         action="store_true",
         help="the transport-only demo instead: a P and a D process pushing "
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             keep=args.keep,
             run_dir=Path(args.run_dir) if args.run_dir else None,
             connector_name=args.connector,
+            hosts=args.hosts,
         )
         return 0 if result["ok"] == result["requests"] else 1
     return 2

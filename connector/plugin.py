@@ -130,6 +130,7 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
                 ktc.is_kv_consumer,
                 trust,
                 refuse_untrusted=self._cfg.untrusted_leg == "refuse",
+                host=self._cfg.side_channel_host,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

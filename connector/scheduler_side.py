@@ -77,6 +77,7 @@ class SchedulerSide:
         is_consumer: bool,
         trust: LegTrust | None = None,
         refuse_untrusted: bool = False,
+        host: str = "",
     ) -> None:
         self.engine_id = engine_id
         self._trust = trust or LegTrust()  # D: whose P coordinates a decode leg may name
@@ -89,10 +90,12 @@ class SchedulerSide:
         self._kv_cache_manager: Any = None
         # D: requests whose KV arrived and whose first token is not out yet (first_token span).
         self._first: dict[str, _Req] = {}
-        self._tracer = engine_tracer(engine_id, producer=False) if is_consumer else None
+        self._tracer = engine_tracer(engine_id, producer=False, host=host) if is_consumer else None
         # Requests computed locally, by why (metrics: connector/plugin.py drains it).
         self.recomputed: Counter[str] = Counter()
-        self._fault_tracer = self._tracer or engine_tracer(engine_id, producer=is_producer)
+        self._fault_tracer = self._tracer or engine_tracer(
+            engine_id, producer=is_producer, host=host
+        )
         # Faults seen here, under telemetry.schema's Count names.
         self.counters: Counter[str] = Counter()
 

@@ -203,7 +203,9 @@ class WorkerSide:
         )
 
     def _spans(self) -> Any:
-        tracer = engine_tracer(self.engine_id, producer=self.is_producer)
+        tracer = engine_tracer(
+            self.engine_id, producer=self.is_producer, host=self.cfg.side_channel_host
+        )
         return NO_SPANS if tracer is None else TransferSpans(tracer, self.engine_id, self.tp_rank)
 
     def handshake(self) -> Handshake | None:

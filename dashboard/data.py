@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pandas as pd
 
@@ -22,7 +23,7 @@ from telemetry import perfetto
 from telemetry.critical_path import CriticalPath, Seg, critical_path
 from telemetry.jaeger import JaegerClient
 from telemetry.otlp_json import Trace
-from telemetry.schema import Attr, Event, Outcome, Service, Span
+from telemetry.schema import Attr, Event, Outcome, Resource, Service, Span
 from telemetry.traces import read_run
 
 OK = Outcome.OK.value
@@ -39,6 +40,8 @@ COLUMNS = [
     "input_tokens",
     "output_tokens",
     "mode",
+    "prefill",
+    "decode",
     "stream",
     "outcome",
     "reason",
@@ -71,6 +74,22 @@ def _num(v: object) -> float | None:
         return float(v) if v is not None else None  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
+
+
+def served_by(t: Trace, url_attr: Attr, role: str) -> str:
+    """Which instance served a request's leg: the host:port the router sent it to (its
+    request span), else the address the engine's spans advertise; "" if neither (e.g. P of
+    a degraded request)."""
+    req = t.first(Span.REQUEST.value)
+    url = req.attr(url_attr.value) if req else None
+    if url:
+        return urlsplit(str(url)).netloc or str(url)
+    for sp in t.spans:
+        if sp.resource.get(Resource.ROLE.value) == role and sp.resource.get(
+            Resource.HOST_ADDR.value
+        ):
+            return str(sp.resource[Resource.HOST_ADDR.value])
+    return ""
 
 
 def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
@@ -115,6 +134,8 @@ def _row(t: Trace, path: CriticalPath | None) -> dict[str, object]:
         "input_tokens": prompt,
         "output_tokens": out_tokens,
         "mode": str(a.get(Attr.MODE.value) or (path.mode if path else "unknown")),
+        "prefill": served_by(t, Attr.PREFILL_URL, "prefill"),
+        "decode": served_by(t, Attr.DECODE_URL, "decode"),
         "stream": a.get(Attr.STREAM.value),  # not streamed: the first chunk is the whole answer
         "outcome": str(outcome),
         "reason": str(reason) if reason else "",

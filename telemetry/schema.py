@@ -197,6 +197,9 @@ class Resource(str, Enum):
     ROLE = "pushkv.role"
     ENGINE_ID = "pushkv.engine_id"
     TP_RANK = "pushkv.tp_rank"
+    # The address an engine's ranks advertise to peers (its side_channel_host): which host
+    # served a request, where P and D run on separate hosts.
+    HOST_ADDR = "pushkv.host.addr"
 
 
 class Metric(str, Enum):

@@ -113,11 +113,12 @@ def find_runs(root: str | os.PathLike[str], max_depth: int = 3) -> list[Path]:
 
 
 def instance_label(span: SpanRecord) -> str:
-    """The process a span came from, for people: service, engine and TP rank when known."""
+    """The process a span came from, for people: service, engine, host and TP rank when
+    known."""
     parts = [span.service]
-    engine = span.resource.get(Resource.ENGINE_ID.value)
-    if engine:
-        parts.append(str(engine))
+    for key in (Resource.ENGINE_ID, Resource.HOST_ADDR):
+        if value := span.resource.get(key.value):
+            parts.append(str(value))
     rank = span.attr(Resource.TP_RANK.value)
     if rank is not None:
         parts.append(f"tp{rank}")

@@ -3,8 +3,10 @@
 Owns: the demo's workload (streamed completions of random token prompts, a few at a time),
 its per-request measurements (TTFT = time to the first streamed token; TPOT = time between
 the first and the last token over the tokens in between) and its report. The stack is a
-``PdStack`` on the locally built tiny model (no download); ``keep=True`` leaves it running and
-says how to stop it. ``pushkv demo --transport`` (transport_demo.py) is the NIXL-only demo.
+``PdStack`` on the locally built tiny model (no download), or with ``hosts=True`` (``pushkv
+demo --hosts``) a ``HostStack``: 2 P and 2 D on simulated hosts; ``keep=True`` leaves a
+``PdStack`` running and says how to stop it. ``pushkv demo --transport``
+(transport_demo.py) is the NIXL-only demo.
 
 Must not import vLLM, NIXL or torch (they live in the servers); needs httpx and rich.
 """
@@ -20,11 +22,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from connector.tools.pdstack import CONNECTORS, PdStack, metric_sum
+from connector.tools.pdstack import CONNECTORS, PdStack, RouterProcess, metric_sum
+from connector.tools.stack import VllmServer
 from connector.tools.tinymodel import ARCH, VOCAB_SIZE, make_tiny_model
 
 SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -59,6 +62,24 @@ class Workload:
             [rng.randrange(FIRST_VOCAB_ID, VOCAB_SIZE) for _ in range(self.input_len)]
             for _ in range(self.requests)
         ]
+
+
+class DemoStack(Protocol):
+    """What the demo drives: a ``PdStack`` or a ``hoststack.HostStack``."""
+
+    connector_name: str
+    router: RouterProcess
+    start_duration_s: float | None
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def prefills(self) -> tuple[VllmServer, ...]: ...
+    @property
+    def decodes(self) -> tuple[VllmServer, ...]: ...
+    def start(self, timeout_s: float = ...) -> float: ...
+    def stop(self, timeout_s: float = ...) -> None: ...
+    def describe(self) -> str: ...
 
 
 async def _one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> Sample:
@@ -110,7 +131,7 @@ async def _run(url: str, workload: Workload) -> tuple[list[Sample], float]:
         return list(samples), time.perf_counter() - t0
 
 
-def _warm_up(stack: PdStack) -> None:
+def _warm_up(stack: DemoStack) -> None:
     """The first request with logprobs on a fresh server takes seconds; pay it here."""
     body = {
         "model": "tiny",
@@ -122,31 +143,31 @@ def _warm_up(stack: PdStack) -> None:
     }
     with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as c:
         salted = {"cache_salt": uuid.uuid4().hex}  # D computes locally, as a single instance
-        for url, extra in (
-            (stack.prefill.url, {}),
-            (stack.decode.url, salted),
+        legs: tuple[tuple[str, dict[str, Any]], ...] = (
+            *((p.url, {}) for p in stack.prefills),
+            *((d.url, salted) for d in stack.decodes),
             (stack.url, {}),
             (stack.url, {"stream": True}),
-        ):
+        )
+        for url, extra in legs:
             r = c.post(f"{url}/v1/completions", json={**body, **extra})
             r.raise_for_status()
 
 
-def _metrics(stack: PdStack) -> dict[str, float | None]:
+def _sum(values: list[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return sum(found) if found else None
+
+
+def _metrics(stack: DemoStack) -> dict[str, float | None]:
     with httpx.Client(timeout=10, trust_env=False) as c:
-        p, d = c.get(f"{stack.prefill.url}/metrics").text, c.get(f"{stack.decode.url}/metrics").text
-    out: dict[str, float | None] = {
-        "external": metric_sum(d, SOURCE_METRIC, source="external_kv_transfer"),
-        "local": metric_sum(d, SOURCE_METRIC, source="local_compute"),
+        ps = [c.get(f"{s.url}/metrics").text for s in stack.prefills]
+        ds = [c.get(f"{s.url}/metrics").text for s in stack.decodes]
+    return {
+        "external": _sum([metric_sum(d, SOURCE_METRIC, source="external_kv_transfer") for d in ds]),
+        "local": _sum([metric_sum(d, SOURCE_METRIC, source="local_compute") for d in ds]),
+        "bytes": _sum([metric_sum(t, name) for name in BYTES_METRICS for t in (*ps, *ds)]),
     }
-    found = [
-        v
-        for name in BYTES_METRICS
-        for v in (metric_sum(p, name), metric_sum(d, name))
-        if v is not None
-    ]
-    out["bytes"] = sum(found) if found else None
-    return out
 
 
 def _delta(after: float | None, before: float | None) -> float | None:
@@ -169,7 +190,7 @@ def report(
     wall_s: float,
     workload: Workload,
     delta: dict[str, float | None],
-    stack: PdStack,
+    stack: DemoStack,
 ) -> dict[str, Any]:
     ok = [s for s in samples if s.ok]
     ttft = [s.ttft_s for s in ok]
@@ -240,18 +261,29 @@ def run_demo(
     keep: bool = False,
     run_dir: Path | None = None,
     connector_name: str = "PushConnector",
+    hosts: bool = False,
 ) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console()
     if connector_name not in CONNECTORS:
         raise ValueError(f"unknown connector {connector_name!r}; known: {sorted(CONNECTORS)}")
+    if hosts and (keep or connector_name != "PushConnector"):
+        # The hosts (network namespaces) go with this process; they are pushkv's set-up.
+        raise ValueError("--hosts runs PushConnector only, and cannot --keep the stack")
     run_dir = run_dir or _new_run_dir()
     model = make_tiny_model()
-    stack = PdStack(model, run_dir, connector_name=connector_name)
+    stack: DemoStack
+    if hosts:
+        from connector.tools.hoststack import HostStack
+
+        stack = HostStack(model, run_dir)
+    else:
+        stack = PdStack(model, run_dir, connector_name=connector_name)
+    what = "2 P and 2 D on hosts of their own" if hosts else f"P, D ({connector_name})"
     kept = False
     try:
-        with console.status(f"starting P, D ({connector_name}) and the router; logs in {run_dir}"):
+        with console.status(f"starting {what} and the router; logs in {run_dir}"):
             stack.start()
         console.print(f"stack healthy in {stack.start_duration_s:.1f} s")
         with console.status("warming up"):
@@ -264,7 +296,7 @@ def run_demo(
         result = report(samples, wall_s, workload, delta, stack)
         print_report(result)
         if keep:
-            pids = " ".join(f"-{s.pid}" for s in (stack.router, stack.prefill, stack.decode))
+            pids = " ".join(f"-{s.pid}" for s in (stack.router, *stack.prefills, *stack.decodes))
             console.print(
                 f"\nThe stack keeps running (send requests to {stack.url}):\n"
                 f"{stack.describe()}\n"

@@ -15,7 +15,6 @@ Must not import vLLM, NIXL or torch (see ``connector.tools.stack``). Needs only 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -24,15 +23,14 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any, ClassVar, Self
+from typing import IO, Any, ClassVar
 
 import httpx
 
 from connector.tools.stack import (
     ChildProcess,
-    ServerError,
     Stack,
+    StartStop,
     VllmServer,
     free_port,
     group_cpu_s,
@@ -77,9 +75,10 @@ def metric_sum(metrics_text: str, name: str, **labels: str) -> float | None:
 
 
 def cpu_set(spec: str) -> frozenset[int]:
-    """CPUs of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0``, ``0-3`` or ``0,2-3``."""
+    """CPUs of a ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``0``, ``0-3`` or ``0,2-3``, or
+    of one list per TP rank joined by ``|`` (``0|1``): all of them."""
     cpus: set[int] = set()
-    for part in spec.split(","):
+    for part in spec.replace("|", ",").split(","):
         lo, dash, hi = part.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
             raise ValueError(f"not a CPU list: {spec!r}")
@@ -87,13 +86,56 @@ def cpu_set(spec: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def _distinct_free_ports(n: int) -> list[int]:
+def distinct_free_ports(n: int) -> list[int]:
     ports: list[int] = []
     while len(ports) < n:
         port = free_port()
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def kv_transfer_config(
+    connector_name: str,
+    role: str,
+    engine_id: str,
+    extra: Mapping[str, Any],
+    kv_load_failure_policy: str = "recompute",
+) -> dict[str, Any]:
+    """One server's ``--kv-transfer-config``: ``connector_name`` (a key of ``CONNECTORS``) in
+    ``role`` (``kv_producer`` or ``kv_consumer``), ``extra`` its ``kv_connector_extra_config``."""
+    ktc: dict[str, Any] = {
+        "kv_connector": connector_name,
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": dict(extra),
+    }
+    if (module_path := CONNECTORS[connector_name].module_path) is not None:
+        ktc["kv_connector_module_path"] = module_path
+    if role == "kv_consumer":
+        ktc["kv_load_failure_policy"] = kv_load_failure_policy
+    return ktc
+
+
+def server_affinity(cpus: str) -> frozenset[int] | None:
+    """The CPUs of ``cpus`` (a ``VLLM_CPU_OMP_THREADS_BIND`` value) to confine a whole server
+    to, or None where this process may not use them all (e.g. a 1-CPU machine)."""
+    wanted = cpu_set(cpus)
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return wanted if wanted <= os.sched_getaffinity(0) else None
+
+
+def trace_env(run_dir: Path, tracing: bool = True) -> dict[str, str]:
+    """Where a child writes its spans (``run_dir``), or tracing off."""
+    if not tracing:
+        return {"OTEL_SDK_DISABLED": "true"}
+    return {"PUSHKV_RUN_DIR": str(run_dir.resolve())}
+
+
+def _urls(url: str | Sequence[str]) -> list[str]:
+    return [url] if isinstance(url, str) else list(url)
 
 
 @dataclass
@@ -103,8 +145,8 @@ class RouterProcess(ChildProcess):
     probed; "degraded", D alone, is not what a stack is started for)."""
 
     kind: ClassVar[str] = "router"
-    prefill_url: str
-    decode_url: str
+    prefill_url: str | Sequence[str]  # one URL, or one per P
+    decode_url: str | Sequence[str]
     port: int
     mode: str = "push"
     extra_args: Sequence[str] = ()
@@ -128,9 +170,9 @@ class RouterProcess(ChildProcess):
             "connector.cli",
             "router",
             "--prefill",
-            self.prefill_url,
+            *_urls(self.prefill_url),
             "--decode",
-            self.decode_url,
+            *_urls(self.decode_url),
             "--host",
             self.host,
             "--port",
@@ -148,7 +190,7 @@ class RouterProcess(ChildProcess):
 
 
 @dataclass
-class PdStack:
+class PdStack(StartStop):
     """P (kv_producer, engine id ``prefill``), D (kv_consumer, engine id ``decode``) and the
     router, on free ports, logging to ``run_dir``. ``connector_name`` is a key of
     ``CONNECTORS``; the extra configs become each side's ``kv_connector_extra_config``.
@@ -185,7 +227,7 @@ class PdStack:
 
     def __post_init__(self) -> None:
         spec = self._connector()
-        p_port, d_port, r_port, p_side, d_side = _distinct_free_ports(5)
+        p_port, d_port, r_port, p_side, d_side = distinct_free_ports(5)
         self.prefill = self._server(
             "prefill",
             p_port,
@@ -252,17 +294,9 @@ class PdStack:
         side_port: int,
         spec: ConnectorSpec,
     ) -> VllmServer:
-        ktc: dict[str, Any] = {
-            "kv_connector": self.connector_name,
-            "kv_role": role,
-            "engine_id": engine_id,
-            "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": dict(extra),
-        }
-        if spec.module_path is not None:
-            ktc["kv_connector_module_path"] = spec.module_path
-        if role == "kv_consumer":
-            ktc["kv_load_failure_policy"] = self.kv_load_failure_policy
+        ktc = kv_transfer_config(
+            self.connector_name, role, engine_id, extra, self.kv_load_failure_policy
+        )
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
         if spec.nixl_side_channel_env:
             env |= {
@@ -280,15 +314,10 @@ class PdStack:
         )
 
     def _affinity(self, cpus: str) -> frozenset[int] | None:
-        wanted = cpu_set(cpus)
-        if not self.pin_servers or not hasattr(os, "sched_getaffinity"):
-            return None
-        return wanted if wanted <= os.sched_getaffinity(0) else None  # e.g. a 1-CPU machine
+        return server_affinity(cpus) if self.pin_servers else None
 
     def _trace_env(self) -> dict[str, str]:
-        if not self.tracing:
-            return {"OTEL_SDK_DISABLED": "true"}
-        return {"PUSHKV_RUN_DIR": str(self.run_dir.resolve())}
+        return trace_env(self.run_dir, self.tracing)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -296,6 +325,14 @@ class PdStack:
     def url(self) -> str:
         """The router: where clients send requests."""
         return self.router.url
+
+    @property
+    def prefills(self) -> tuple[VllmServer, ...]:
+        return (self.prefill,)
+
+    @property
+    def decodes(self) -> tuple[VllmServer, ...]:
+        return (self.decode,)
 
     def start(self, timeout_s: float = 300.0) -> float:
         """Start all three and wait until healthy; returns (and records) the seconds it took."""
@@ -320,17 +357,3 @@ class PdStack:
             ("decode", self.decode.url, self.decode.pid, self.decode.log),
         ]
         return "\n".join(f"{name:8} {url:24} pid {pid}  log {log}" for name, url, pid, log in rows)
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Leaving on an error: that error is the one to see, not a failed stop after it.
-        with contextlib.suppress(ServerError) if exc is not None else contextlib.nullcontext():
-            self.stop()

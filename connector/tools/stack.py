@@ -257,8 +257,33 @@ class ChildProcess:
             self._log_file = None
 
 
+class StartStop:
+    """``with``: ``start()``, then ``stop()`` on the way out (``VllmServer``, ``Stack``,
+    ``PdStack``, ``HostStack``)."""
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Leaving on an error: that error is the one to see, not a failed stop after it.
+        with contextlib.suppress(ServerError) if exc is not None else contextlib.nullcontext():
+            self.stop()
+
+
 @dataclass
-class VllmServer(ChildProcess):
+class VllmServer(ChildProcess, StartStop):
     """One vLLM OpenAI-compatible server as a child process (config plus lifecycle).
 
     ``env`` is added to the child environment (e.g. ``VLLM_NIXL_SIDE_CHANNEL_PORT``);
@@ -366,16 +391,8 @@ class VllmServer(ChildProcess):
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
-
-class Stack:
+class Stack(StartStop):
     """Several services started together: all are spawned first (their start-ups overlap),
     then waited on under one deadline. Stopping goes in reverse order and reaches every
     service even if some stop() fails; if start-up fails, everything started is stopped."""
@@ -406,15 +423,3 @@ class Stack:
                 errors.append(exc)
         if errors:
             raise ServerError(f"{len(errors)} service(s) failed to stop: {errors!r}") from errors[0]
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

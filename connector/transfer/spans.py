@@ -365,14 +365,15 @@ def emit_hook_failed(
     )
 
 
-def engine_tracer(engine_id: str, *, producer: bool) -> Any:
+def engine_tracer(engine_id: str, *, producer: bool, host: str = "") -> Any:
     """The tracer of a vLLM engine process (scheduler or worker), or None when tracing is
     off. P's processes are ``pushkv-prefill``, D's ``pushkv-decode`` (OTEL_SERVICE_NAME
-    overrides)."""
+    overrides); ``host`` is the address the engine advertises to its peers."""
     from telemetry.schema import Resource, Service
     from telemetry.setup import process_tracer
 
     service, role = (Service.PREFILL, "prefill") if producer else (Service.DECODE, "decode")
-    return process_tracer(
-        service.value, role=role, attributes={Resource.ENGINE_ID.value: engine_id}
-    )
+    attributes = {Resource.ENGINE_ID.value: engine_id}
+    if host:
+        attributes[Resource.HOST_ADDR.value] = host
+    return process_tracer(service.value, role=role, attributes=attributes)

@@ -22,8 +22,8 @@ from dashboard.data import (
     percentiles,
     pow2_bucket,
 )
-from telemetry.otlp_json import Trace
-from telemetry.schema import Attr, Span
+from telemetry.otlp_json import SpanRecord, StatusCode, Trace
+from telemetry.schema import Attr, Resource, Span
 from telemetry.traces import read_run
 from tests.fixtures.traces import HERE, run_dirs, run_ids
 
@@ -172,3 +172,37 @@ def test_client_ttfts_beside_a_run_show_next_to_the_traces(tmp_path: Path) -> No
     broken = load_run_folder(tmp_path)
     assert list(broken.requests.columns) == COLUMNS
     assert any(CLIENT_TTFTS_FILE in p for p in broken.problems)
+
+
+def test_the_table_says_which_p_and_d_served() -> None:
+    """From the router's request span; else (D alone, degraded: no P) the engines' address."""
+
+    def span(name: str, attrs: dict[str, object], resource: dict[str, object]) -> SpanRecord:
+        return SpanRecord(
+            "t" * 32,
+            name[:16].ljust(16, "0"),
+            None,
+            name,
+            1,
+            1,
+            2,
+            StatusCode.UNSET,
+            "",
+            attrs,
+            (),
+            resource,
+        )
+
+    routed = span(
+        Span.REQUEST.value,
+        {Attr.PREFILL_URL.value: "http://10.213.1.2:8100", Attr.DECODE_URL.value: ""},
+        {},
+    )
+    d = span(
+        Span.AWAIT_KV.value,
+        {},
+        {Resource.ROLE.value: "decode", Resource.HOST_ADDR.value: "10.213.1.4"},
+    )
+    run = analyse("t", [Trace("t" * 32, (routed, d))])
+    row = run.requests.iloc[0]
+    assert (row["prefill"], row["decode"]) == ("10.213.1.2:8100", "10.213.1.4")
