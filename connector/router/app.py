@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from connector.router import arrival, legs
+from connector.router import arrival, legs, priority
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Lease, Role
 from connector.router.config import RouterConfig, parse_args
@@ -432,6 +432,10 @@ def main(argv: list[str]) -> int:
     # the loop waits up to that long for the GIL each time it wakes meanwhile (loop lag p50
     # 7-10 ms against 1-4 ms at 0.5 ms with a busy thread: python -m bench.loop_gil).
     sys.setswitchinterval(0.0005)
+    if config.realtime_priority:  # before any thread starts: they inherit the class
+        why = priority.realtime(config.realtime_priority)
+        if why:
+            logger.warning("router: --realtime-priority not applied: %s", why)
 
     from telemetry.schema import Service
     from telemetry.setup import setup_tracing

@@ -126,6 +126,7 @@ class RouterConfig:
     # every P costs latency, not availability. False: answer 503 instead.
     degraded: bool = True
     log_level: str = "info"
+    realtime_priority: int = 0  # SCHED_FIFO priority of the router's threads; 0: normal class
     # Security (docs/security.md): the key clients must send (Bearer), the key the router
     # sends the backends, the P/D plane's shared secret (signs P's coordinates in D's leg)
     # and how long such a signature stays valid.
@@ -164,6 +165,8 @@ class RouterConfig:
             raise ConfigError("max_connections must be >= 1")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        if not 0 <= self.realtime_priority <= 99:
+            raise ConfigError(f"--realtime-priority must be 0-99, got {self.realtime_priority}")
         for o in self.prefill_overrides:
             if o.port is not None and not 0 < o.port < 65536:
                 raise ConfigError(f"--prefill-kv-port out of range: {o.port}")
@@ -247,6 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="while no P is healthy, send requests to D whole (D computes the prompt)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--realtime-priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the router at SCHED_FIFO priority N (1-99; needs root or CAP_SYS_NICE), "
+        "so requests do not wait for a core the engines hold (0: the normal class)",
+    )
     s = p.add_argument_group("security (docs/security.md)")
     s.add_argument(
         "--api-key",
@@ -313,6 +324,7 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
             max_attempts=a.max_attempts,
             degraded=a.degraded,
             log_level=a.log_level,
+            realtime_priority=a.realtime_priority,
             api_key=a.api_key or os.environ.get(ENV_API_KEY) or None,
             backend_api_key=_secret(a.backend_api_key_file, ENV_BACKEND_API_KEY),
             auth_secret=(

@@ -154,6 +154,9 @@ class RouterProcess(ChildProcess):
     host: str = "127.0.0.1"
     python: str = sys.executable
     env: Mapping[str, str] = field(default_factory=dict)  # added to this environment
+    # The stacks share two cores with the engines: the router at SCHED_FIFO where allowed
+    # (connector/router/priority.py says why; not allowed, it logs so and runs normally).
+    realtime_priority: int = 10
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
 
@@ -179,6 +182,8 @@ class RouterProcess(ChildProcess):
             str(self.port),
             "--mode",
             self.mode,
+            "--realtime-priority",
+            str(self.realtime_priority),
             *self.extra_args,
         ]
 

@@ -11,6 +11,7 @@ Must not import vLLM (``vllm bench serve`` is a child process). Needs httpx.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -23,6 +24,10 @@ import httpx
 from connector.tools.pdstack import metric_sum
 from connector.tools.stack import stop_process_group, tail_lines
 
+_CLASS = {
+    getattr(os, "SCHED_FIFO", -1): "SCHED_FIFO",
+    getattr(os, "SCHED_OTHER", -2): "SCHED_OTHER",
+}
 SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
 
@@ -142,6 +147,17 @@ class RunFailure:
     hung: bool = False
 
 
+CLIENT_PRIORITY = 10  # SCHED_FIFO priority of the load generator, where allowed
+
+
+def _prioritized() -> None:
+    """In the client's child, before exec: SCHED_FIFO where allowed. The client measures;
+    queued behind the engines for a core it would time its own wait (on two cores both
+    running engines, 2-3 ms per request: ``connector/router/priority.py``)."""
+    with contextlib.suppress(OSError):  # not root: the normal class, and the log says so
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(CLIENT_PRIORITY))
+
+
 def run_bench_serve(cmd: Sequence[str], log_path: Path, limit_s: float) -> RunFailure | None:
     """Run ``cmd`` in its own session, output to ``log_path``; None on success, else why
     not (exit code, or still running at ``limit_s`` and then killed by process group)."""
@@ -157,7 +173,13 @@ def run_bench_serve(cmd: Sequence[str], log_path: Path, limit_s: float) -> RunFa
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_prioritized if hasattr(os, "sched_setscheduler") else None,
         )
+        if hasattr(os, "sched_getscheduler"):
+            with contextlib.suppress(OSError):  # it may have exited already
+                policy = os.sched_getscheduler(proc.pid)
+                log.write(f"# client scheduling class: {_CLASS.get(policy, policy)}\n".encode())
+                log.flush()
         try:
             rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
