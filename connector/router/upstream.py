@@ -140,10 +140,15 @@ class Upstream:
         """A whole answer; ``timeout_s`` bounds all of it (else the client's timeouts)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else self._timeout
         try:
-            async with self._s().request(
+            resp = await self._s().request(
                 method, self.base_url + path, json=body, headers=headers, timeout=timeout
-            ) as resp:
-                return Reply(resp.status, resp.headers.get("content-type"), await resp.read())
+            )
+            try:
+                content = await resp.read()
+            except BaseException:
+                resp.close()  # cancelled or broken mid-answer: the backend must see us go
+                raise
+            return Reply(resp.status, resp.headers.get("content-type"), content)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _transport_error(exc) from exc
 
