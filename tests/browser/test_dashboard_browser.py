@@ -62,7 +62,11 @@ def test_decomposition_renders(dashboard_url: str, browser, run_dir: Path, tmp_p
     try:
         page.get_by_text("TTFT decomposition", exact=True).first.wait_for(timeout=WAIT_MS)
         bars = page.locator(".js-plotly-plot .barlayer .point path")
-        bars.first.wait_for(timeout=WAIT_MS)
+        # a zero-length segment (no connect span: a connection already open) draws a bar
+        # of no height, which never becomes visible: wait for one that has a height
+        page.locator(".js-plotly-plot .barlayer .point path >> visible=true").first.wait_for(
+            timeout=WAIT_MS
+        )
         n_segments = data.segments["segment"].nunique()
         assert bars.count() >= n_segments
         legend = page.locator(".js-plotly-plot .legend .legendtext").all_text_contents()
