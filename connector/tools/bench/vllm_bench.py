@@ -115,10 +115,10 @@ def bench_command(
     if request_id_prefix is not None:
         cmd += ["--request-id-prefix", request_id_prefix]
     if result is not None and workload.request_rate is None:
-        # Closed loop: one request per client first, not measured: the run starts with its
-        # connections open, as a steady state has them; otherwise the first request of each client also
-        # times the client opening its connection, one after another (5-13 ms at c=8-16),
-        # which no span sees (bench/results/fidelity_20261202/).
+        # Closed loop: one unmeasured request per client first, so the run starts with its
+        # connections open, as a steady state has them; else the first request of each
+        # client also times the client opening its connection, one after another (5-13 ms
+        # at c=8-16), which no span sees (bench/results/fidelity_20261202/).
         cmd += ["--num-warmups", str(concurrency)]
     if result is not None:
         cmd += [
