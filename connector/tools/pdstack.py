@@ -101,6 +101,7 @@ def kv_transfer_config(
     engine_id: str,
     extra: Mapping[str, Any],
     kv_load_failure_policy: str = "recompute",
+    kv_buffer_device: str = "cpu",
 ) -> dict[str, Any]:
     """One server's ``--kv-transfer-config``: ``connector_name`` (a key of ``CONNECTORS``) in
     ``role`` (``kv_producer`` or ``kv_consumer``), ``extra`` its ``kv_connector_extra_config``."""
@@ -108,7 +109,7 @@ def kv_transfer_config(
         "kv_connector": connector_name,
         "kv_role": role,
         "engine_id": engine_id,
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": kv_buffer_device,
         "kv_connector_extra_config": dict(extra),
     }
     if (module_path := CONNECTORS[connector_name].module_path) is not None:
@@ -214,6 +215,13 @@ class PdStack(StartStop):
     router_args: Sequence[str] = ()
     prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine
     decode_cpus: str = "1"
+    # On a GPU host, CUDA_VISIBLE_DEVICES of each server ("0", "1", "0,1" for TP2); None leaves
+    # the caller's environment alone (both servers see every GPU: on one GPU they share it).
+    prefill_gpus: str | None = None
+    decode_gpus: str | None = None
+    # Where vLLM's NIXL connectors keep the KV they transfer: "cuda" on a GPU host (pushkv
+    # reads the KV where the engine keeps it and ignores this).
+    kv_buffer_device: str = "cpu"
     # Also confine each server's processes (API server, EngineCore, workers, their threads)
     # to those CPUs, as if P and D were hosts of their own; the router stays unpinned.
     # pushkv's transfer thread leaves vLLM's OpenMP core but not its server's CPUs
@@ -242,6 +250,7 @@ class PdStack(StartStop):
             self.prefill_cpus,
             p_side,
             spec,
+            self.prefill_gpus,
         )
         self.decode = self._server(
             "decode",
@@ -252,6 +261,7 @@ class PdStack(StartStop):
             self.decode_cpus,
             d_side,
             spec,
+            self.decode_gpus,
         )
         # One health check that times out marks a backend down (503s until the next good
         # check); the router's 1 s default is too short for a busy 2-core box.
@@ -298,11 +308,19 @@ class PdStack(StartStop):
         cpus: str,
         side_port: int,
         spec: ConnectorSpec,
+        gpus: str | None = None,
     ) -> VllmServer:
         ktc = kv_transfer_config(
-            self.connector_name, role, engine_id, extra, self.kv_load_failure_policy
+            self.connector_name,
+            role,
+            engine_id,
+            extra,
+            self.kv_load_failure_policy,
+            self.kv_buffer_device,
         )
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         if spec.nixl_side_channel_env:
             env |= {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

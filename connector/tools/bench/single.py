@@ -34,16 +34,20 @@ class SingleStack:
     server_args: Sequence[str] = ()
     cpus: str = "0"  # P's CPU in a pair
     pin_servers: bool = True
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES on a GPU host: P's GPU(s) in a pair
     server: VllmServer = field(init=False)
     start_duration_s: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         wanted = cpu_set(self.cpus)
         pin = self.pin_servers and hasattr(os, "sched_getaffinity")
+        env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpus, "OTEL_SDK_DISABLED": "true"}
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
         self.server = VllmServer(
             self.model,
             free_port(),
-            env={"VLLM_CPU_OMP_THREADS_BIND": self.cpus, "OTEL_SDK_DISABLED": "true"},
+            env=env,
             extra_args=list(self.server_args),
             log_path=self.run_dir / "single.log",
             cpu_affinity=wanted if pin and wanted <= os.sched_getaffinity(0) else None,

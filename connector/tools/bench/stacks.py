@@ -191,10 +191,13 @@ def make_stack(
     run_dir: Path,
     pin_servers: bool = True,
     server_args: Sequence[str] = (),
+    gpus: tuple[str, str] | None = None,
 ) -> BenchStack:
     """The stack for ``config``: logs go to ``run_dir`` (one file per process);
     ``pin_servers``: P's and D's whole process trees on their own CPU (``PdStack``);
-    ``server_args``: appended to both vLLM command lines (e.g. a longer context)."""
+    ``server_args``: appended to both vLLM command lines (e.g. a longer context);
+    ``gpus``: P's and D's CUDA_VISIBLE_DEVICES on a GPU host (None: both see every GPU),
+    where vLLM's connectors then keep their KV buffers on the GPU."""
     extra, router_args = dict(config.extra_config), []
     if config.sealed:
         secret = write_secret(run_dir / f"{config.name}.secret")
@@ -211,6 +214,9 @@ def make_stack(
         tracing=config.tracing,
         pin_servers=pin_servers,
         server_args=tuple(server_args),
+        prefill_gpus=None if gpus is None else gpus[0],
+        decode_gpus=None if gpus is None else gpus[1],
+        kv_buffer_device="cpu" if gpus is None else "cuda",
     )
 
 

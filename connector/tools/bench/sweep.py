@@ -97,6 +97,7 @@ class Setup:
     run_dir: Path
     deadline: float  # _now() by which the sweep ends
     warmup: bool = True
+    gpus: tuple[str, str] | None = None  # P's and D's CUDA_VISIBLE_DEVICES (single: P's)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -177,6 +178,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "before its points (default: on, off with --smoke)",
     )
     p.add_argument("--pin-servers", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--gpus",
+        nargs=2,
+        default=None,
+        metavar=("P", "D"),
+        help="on a GPU host, P's and D's CUDA_VISIBLE_DEVICES (e.g. 0 1, or 0,1 2,3 for TP2); "
+        "single runs on P's (default: every server sees every GPU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-minutes",
@@ -258,8 +267,16 @@ def _kv_per_token(config: dict[str, Any]) -> int:
 
 def _make(name: str, setup: Setup, cfg_dir: Path) -> SweepStack:
     if name == SINGLE:
-        return SingleStack(setup.model, cfg_dir, setup.server_args, pin_servers=setup.pin_servers)
-    return make_stack(CONFIGS[name], setup.model, cfg_dir, setup.pin_servers, setup.server_args)
+        return SingleStack(
+            setup.model,
+            cfg_dir,
+            setup.server_args,
+            pin_servers=setup.pin_servers,
+            gpus=None if setup.gpus is None else setup.gpus[0],
+        )
+    return make_stack(
+        CONFIGS[name], setup.model, cfg_dir, setup.pin_servers, setup.server_args, setup.gpus
+    )
 
 
 def _start(name: str, setup: Setup, cfg_dir: Path, log: Log) -> SweepStack:
@@ -462,6 +479,7 @@ def _meta(argv: Sequence[str], setup: Setup, configs: Sequence[str]) -> dict[str
         "configs": list(configs),
         "server_args": list(setup.server_args),
         "pin_servers": setup.pin_servers,
+        "gpus": None if setup.gpus is None else list(setup.gpus),
         "arrivals": "Poisson (vllm bench serve --request-rate, burstiness 1)",
     }
 
@@ -485,6 +503,7 @@ def main(argv: Sequence[str]) -> int:
         run_dir,
         _now() + args.max_minutes * 60.0,
         args.warmup if args.warmup is not None else not args.smoke,
+        None if args.gpus is None else (args.gpus[0], args.gpus[1]),
     )
     meta = _meta(argv, setup, configs)
     todo = {

@@ -223,3 +223,23 @@ def test_sweeps_are_found_by_their_sweep_json(tmp_path: Path) -> None:
     found = sweeps.find_sweeps(tmp_path / "runs")
     assert sorted(p.name for p in found) == ["sweep-a", "sweep-b"]
     assert len(sweeps.load_sweep(found[0])["points"]) == 8
+
+
+def test_gpus_put_p_d_and_single_each_on_their_own_devices(tmp_path: Path) -> None:
+    """``--gpus 0 1``: P sees GPU 0, D GPU 1, the single instance P's; without it the
+    environment is left alone (every server sees every GPU)."""
+    args = sweep.parse_args(["--gpus", "0", "1"])
+    setup = sweep.Setup(
+        sweep.make_plan(args), tmp_path / "m", (), False, tmp_path, 0.0, gpus=tuple(args.gpus)
+    )
+    pair = sweep._make("push", setup, tmp_path / "push")
+    assert pair.prefill.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
+    assert pair.decode.env["CUDA_VISIBLE_DEVICES"] == "1"  # type: ignore[attr-defined]
+    assert pair.decode.kv_transfer_config["kv_buffer_device"] == "cuda"  # type: ignore[attr-defined]
+    single = sweep._make(sweep.SINGLE, setup, tmp_path / "single")
+    assert single.server.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
+    plain = sweep._make(
+        "push", sweep.Setup(setup.plan, setup.model, (), False, tmp_path, 0.0), tmp_path / "p2"
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in plain.prefill.env  # type: ignore[attr-defined]
+    assert plain.prefill.kv_transfer_config["kv_buffer_device"] == "cpu"  # type: ignore[attr-defined]
