@@ -19,9 +19,12 @@ per cent on a 2-core box whose run-to-run spread is tens of per cent; this can.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from connector.core import events as ev
 from connector.core.messages import PeerAddr, TraceContext
@@ -87,17 +90,46 @@ def one_request(i: int, router_tracer, p_spans, d_spans, d_tracer, chunks: int) 
     trace.end(200)
 
 
-def run(requests: int, chunks: int, on: bool) -> float:
+class Holds:
+    """CPU time of each export call on its thread: encoding runs with the GIL held, so this
+    is how long the call kept another thread (an engine loop) waiting for the GIL, less
+    any switch the interpreter forced (5 ms apart in vLLM's processes). Wall time would
+    count a write blocked on a full pipe, which holds no GIL."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def wrap(self, owner: Any, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return inner(*args)
+            finally:
+                self.times.append(time.thread_time() - t)
+
+        setattr(owner, name, timed)
+
+
+def run(
+    requests: int, chunks: int, sink: str | None, holds: Holds | None = None, per_export: int = 0
+) -> tuple[float, float]:
+    """CPU seconds per request: this process, and the sink processes it started."""
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as tmp:
         providers = []
-        if on:
+        if sink is not None:
             from telemetry.setup import setup_tracing
 
+            os.environ["PUSHKV_SPAN_SINK"] = sink
             tracers = []
             for service in ("pushkv-router", "pushkv-prefill", "pushkv-decode"):
                 p = setup_tracing(service, role=service, run_dir=tmp, set_global=False)
                 providers.append(p)
                 tracers.append(p.get_tracer("bench"))
+                if holds is not None:
+                    _time_exports(p, holds)
             router_t, p_t, d_t = tracers
             p_spans, d_spans = TransferSpans(p_t, "prefill", 0), TransferSpans(d_t, "decode", 0)
         else:
@@ -106,15 +138,28 @@ def run(requests: int, chunks: int, on: bool) -> float:
         t0 = time.process_time()
         for i in range(requests):
             one_request(i, router_t, p_spans, d_spans, d_t, chunks)
+            if per_export and (i + 1) % per_export == 0:
+                for p in providers:  # an export of this many requests' spans, as under load
+                    p.force_flush()
         for p in providers:
             p.force_flush()
         cpu = time.process_time() - t0
-        if on:
+        for p in providers:
+            p.shutdown()  # the sinks exit: their CPU is counted in RUSAGE_CHILDREN
+        if sink is not None:
             lines = sum(len(f.read_text().splitlines()) for f in Path(tmp).glob("*.jsonl"))
             assert lines > 0, "nothing was written"
-        for p in providers:
-            p.shutdown()
-    return cpu / requests
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
+    return cpu / requests, child / requests
+
+
+def _time_exports(provider: Any, holds: Holds) -> None:
+    (proc,) = provider._active_span_processor._span_processors
+    if hasattr(proc, "span_exporter"):  # the SDK's BatchSpanProcessor: its export calls
+        holds.wrap(proc.span_exporter, "export")
+    else:  # PipeSpanProcessor: the sending thread's frames
+        holds.wrap(proc, "_send")
 
 
 def main() -> int:
@@ -127,18 +172,42 @@ def main() -> int:
         default=150.0,
         help="CPU one request costs the whole demo stack, the base of tracing's share",
     )
+    ap.add_argument(
+        "--sinks",
+        nargs="+",
+        default=["thread", "process"],
+        help="JSON-lines sinks to compare (PUSHKV_SPAN_SINK): thread (the SDK's batch "
+        "processor encodes in this process) and process (telemetry.span_pipe)",
+    )
+    ap.add_argument(
+        "--per-export",
+        type=int,
+        default=8,
+        help="export after every N requests (a vLLM process exports every 100 ms: a few "
+        "requests' spans under load); 0: only when the batch processor's timer fires",
+    )
     args = ap.parse_args()
-    run(200, args.chunks, True)  # warm up imports and caches
-    off = run(args.requests, args.chunks, False)
-    on = run(args.requests, args.chunks, True)
+    for sink in args.sinks:
+        run(200, args.chunks, sink)  # warm up imports and caches
+    off, _ = run(args.requests, args.chunks, None, None, args.per_export)
     print(f"{args.requests} requests, 12 spans and {args.chunks} streamed chunks each:")
     print(f"  tracing off: {off * 1e6:8.1f} µs CPU per request (the hooks alone)")
-    print(f"  tracing on:  {on * 1e6:8.1f} µs CPU per request (spans, batching, JSON lines)")
-    print(
-        f"  cost:        {(on - off) * 1e6:8.1f} µs CPU per request, "
-        f"{(on - off) / (args.stack_cpu_ms / 1e3):.2%} of the {args.stack_cpu_ms:g} ms "
-        "of CPU one request costs the stack"
-    )
+    for sink in args.sinks:
+        holds = Holds()
+        on, child = run(args.requests, args.chunks, sink, holds, args.per_export)
+        cost = on + child - off
+        print(
+            f"  sink {sink:7s}: {on * 1e6:8.1f} µs CPU per request in-process, "
+            f"{child * 1e6:6.1f} µs in sink processes; cost {cost * 1e6:7.1f} µs "
+            f"({cost / (args.stack_cpu_ms / 1e3):.2%} of the {args.stack_cpu_ms:g} ms of CPU "
+            f"one request costs the stack), in-process {(on - off) * 1e6:7.1f} µs"
+        )
+        t = holds.times
+        per = sum(t) / (args.requests * 12) if t else 0.0
+        print(
+            f"    export calls: {len(t)}, GIL-holding time {per * 1e6:5.1f} µs per span, "
+            f"longest call {max(t, default=0) * 1e3:6.2f} ms"
+        )
     return 0
 
 

@@ -7,7 +7,8 @@ one) and imports the OpenTelemetry API, never this module's SDK objects.
 Sinks: ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set -> OTLP
 (``OTEL_EXPORTER_OTLP_PROTOCOL`` ``grpc`` or ``http/protobuf``, the default); otherwise OTLP JSON
 lines in ``<run dir>/traces-<service>-<pid>.jsonl`` (run dir: the ``run_dir`` argument, else
-``PUSHKV_RUN_DIR``, else ``runs/latest``). ``OTEL_SDK_DISABLED=true`` turns tracing off.
+``PUSHKV_RUN_DIR``, else ``runs/latest``), encoded and written by a sink process of each
+process's own (``telemetry.span_pipe``). ``OTEL_SDK_DISABLED=true`` turns tracing off.
 Sampling is the SDK's (``OTEL_TRACES_SAMPLER``, default parent-based always-on), so P and D
 follow the router's decision and a trace is never half-sampled. Spans are flushed at exit.
 """
@@ -52,6 +53,25 @@ def _id_generator() -> Any:
     return SeededFromOs()
 
 
+def _provider_class() -> Any:
+    """The SDK's provider, whose tracers carry ``pushkv_emit`` (``telemetry.emit``'s direct
+    path) where spans go to a ``PipeSpanProcessor``."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from telemetry.span_pipe import PipeSpanProcessor
+
+    class Provider(TracerProvider):
+        def get_tracer(self, *args: Any, **kwargs: Any) -> Any:
+            tracer = super().get_tracer(*args, **kwargs)
+            procs = self._active_span_processor
+            for proc in procs._span_processors:
+                if isinstance(proc, PipeSpanProcessor) and hasattr(tracer, "sampler"):
+                    tracer.pushkv_emit = proc.emitter(tracer, procs)
+            return tracer
+
+    return Provider
+
+
 def _env(name: str) -> str:
     return os.environ.get(name, "").strip()
 
@@ -70,47 +90,62 @@ def setup_tracing(
         return None
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     name = _env("OTEL_SERVICE_NAME") or service_name
     resource = Resource.create(
         {R.SERVICE_NAME.value: name, R.ROLE.value: role, **(attributes or {})}
     )
-    provider = TracerProvider(resource=resource, id_generator=_id_generator())
-    provider.add_span_processor(
-        BatchSpanProcessor(
-            _exporter(name, run_dir),
-            max_queue_size=65536,
-            max_export_batch_size=2048,
-            schedule_delay_millis=export_delay_ms,
-        )
-    )
+    provider = _provider_class()(resource=resource, id_generator=_id_generator())
+    provider.add_span_processor(_processor(name, run_dir, export_delay_ms))
     if set_global:
         trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)  # flushes: spans are not lost when the process exits
     return provider
 
 
-def _exporter(service: str, run_dir: str | os.PathLike[str] | None) -> Any:
+def _processor(service: str, run_dir: str | os.PathLike[str] | None, delay_ms: int) -> Any:
+    """OTLP: the SDK's batch processor and exporter. JSON lines: spans recorded here and
+    encoded and written by a sink process of their own (``telemetry.span_pipe``), or, with
+    ``PUSHKV_SPAN_SINK=thread``, by the batch processor's thread in this process."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
     if endpoint:
-        proto = (
-            _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-            or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
-            or "http/protobuf"
+        return BatchSpanProcessor(
+            _otlp_exporter(),
+            max_queue_size=65536,
+            max_export_batch_size=2048,
+            schedule_delay_millis=delay_ms,
         )
-        if proto == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            return OTLPSpanExporter()  # reads the endpoint and headers from the environment
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
-
-        return Http()
-    from telemetry.exporters import JsonLinesSpanExporter
-
     folder = Path(run_dir or _env("PUSHKV_RUN_DIR") or "runs/latest")
-    return JsonLinesSpanExporter(folder / f"traces-{service}-{os.getpid()}.jsonl")
+    path = folder / f"traces-{service}-{os.getpid()}.jsonl"
+    if _env("PUSHKV_SPAN_SINK") == "thread":
+        from telemetry.exporters import JsonLinesSpanExporter
+
+        return BatchSpanProcessor(
+            JsonLinesSpanExporter(path),
+            max_queue_size=65536,
+            max_export_batch_size=2048,
+            schedule_delay_millis=delay_ms,
+        )
+    from telemetry.span_pipe import PipeSpanProcessor
+
+    return PipeSpanProcessor(path, delay_s=delay_ms / 1e3)
+
+
+def _otlp_exporter() -> Any:
+    proto = (
+        _env("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or _env("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    )
+    if proto == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()  # reads the endpoint and headers from the environment
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+    return Http()
 
 
 def process_tracer(
