@@ -1,16 +1,21 @@
 """What tracing costs per request, in CPU time, with pushkv's real emitters and exporter.
 
-Run: python -m bench.tracing_cost [--requests 2000] [--chunks 32] [--stack-cpu-ms 150]
+Run: python -m bench.tracing_cost [--requests 2000] [--chunks 32] [--per-export 8]
+     [--sinks thread process] [--stack-cpu-ms 150]
 
 Drives, per request, exactly the tracing work of one push request: the router's
 ``RequestTrace`` (request, route, prefill_leg, decode_leg, first_byte; ``sent`` for every
 streamed chunk), P's ``TransferSpans`` (prefill, rendezvous_wait, prepare_descriptors,
-write), D's (register, await_kv) and D's ``first_token``: 12 spans, through the SDK's
-``BatchSpanProcessor`` into the JSON-lines exporter (a real file), flushed at the end. It
-prints the CPU seconds per request (this process, all threads) with tracing on and with
-it off (``NO_SPANS`` and no tracer), and the difference, also as a share of the CPU one
-request costs the whole stack (``--stack-cpu-ms``: P and D engines, API servers and router
-together, for the demo's 256-in/32-out request).
+write), D's (register, await_kv) and D's ``first_token``: 12 spans, into each JSON-lines
+sink (``PUSHKV_SPAN_SINK``): ``thread``, the SDK's ``BatchSpanProcessor`` encoding in this
+process, and ``process``, ``telemetry.span_pipe`` handing records to a sink process. An
+export every ``--per-export`` requests (a vLLM process exports every 100 ms: a few
+requests' spans under load). It prints the CPU per request with tracing off (``NO_SPANS``
+and no tracer), and for each sink this process's CPU, the sink processes' CPU (their
+start-up included), the cost (both, less the off run's) as a share of the CPU one request
+costs the whole stack (``--stack-cpu-ms``: P and D engines, API servers and router
+together, for the demo's 256-in/32-out request), and the CPU time of the export calls on
+their own thread: how long they held the GIL, per span and at the longest.
 
 End-to-end A/B runs (``pushkv bench --configs push push-notrace``) cannot resolve a few
 per cent on a 2-core box whose run-to-run spread is tens of per cent; this can.

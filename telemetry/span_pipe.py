@@ -14,6 +14,7 @@ written here instead, so no span is lost.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import marshal
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,11 +58,27 @@ class PipeSpanProcessor(SpanProcessor):
             )
         except OSError:
             logger.exception("Starting the span sink failed; encoding spans in-process")
+        self._acks_due = 0  # flush requests the sink has not answered yet
+        # A forked child (vLLM's multiproc workers) must not hold the sink's pipe open: the
+        # sink exits, and shutdown's wait returns, only when every writer has closed it.
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (p := me()) and p._forget())
         self._delay = delay_s
         self._wake = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pushkv-span-pipe", daemon=True)
         self._thread.start()
+
+    def _forget(self) -> None:
+        """In a forked child: this copy records nothing (the child makes a provider of its
+        own, ``telemetry.setup.process_tracer``) and closes its copy of the pipe."""
+        self._stopped = True
+        if self._proc is not None:
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+            self._proc = None
 
     # -- the recording path: any thread that ends a span -----------------------------------
     def on_start(self, span: Any, parent_context: Any = None) -> None:
@@ -194,10 +212,19 @@ class PipeSpanProcessor(SpanProcessor):
                     return True
                 if not self._write(FRAME.pack(FLUSH, 0)):
                     return True
+                self._acks_due += 1
             fd = proc.stdout.fileno()
+            # Answers come in order: ours is the last one due (an earlier flush that timed
+            # out left its own unread).
             while (left := deadline - time.monotonic()) > 0:
-                if select.select([fd], [], [], left)[0]:
-                    return os.read(fd, 1) == ACK
+                if not select.select([fd], [], [], left)[0]:
+                    break
+                got = os.read(fd, self._acks_due)
+                if not got:
+                    return False  # the sink is gone: the next send falls back
+                self._acks_due -= got.count(ACK)
+                if self._acks_due == 0:
+                    return True
             return False
 
     def shutdown(self) -> None:

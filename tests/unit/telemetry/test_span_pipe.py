@@ -140,3 +140,25 @@ def test_sink_ends_with_its_writer_and_keeps_what_it_got(tmp_path: Path) -> None
     pipe._proc.stdin.close()  # what a SIGKILL of this process would do
     assert pipe._proc.wait(timeout=10) == 0
     assert [sp["name"] for sp in _spans(path)] == ["s"]
+
+
+def test_a_forked_child_does_not_keep_the_sink_open(tmp_path: Path) -> None:
+    """vLLM forks workers: the sink must still end when its own process closes the pipe."""
+    pipe = PipeSpanProcessor(tmp_path / "out.jsonl", delay_s=60)
+    provider = TracerProvider()
+    provider.add_span_processor(pipe)
+    provider.get_tracer("t").start_span("s").end()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits until the parent is done, records nothing
+        os.close(write_end)
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        provider.shutdown()  # waits for the sink: it ends although the child still runs
+        assert pipe._proc is not None and pipe._proc.returncode == 0
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)
+    assert [sp["name"] for sp in _spans(tmp_path / "out.jsonl")] == ["s"]
