@@ -102,9 +102,11 @@ def kv_transfer_config(
     extra: Mapping[str, Any],
     kv_load_failure_policy: str = "recompute",
     kv_buffer_device: str = "cpu",
+    spec: ConnectorSpec | None = None,
 ) -> dict[str, Any]:
     """One server's ``--kv-transfer-config``: ``connector_name`` (a key of ``CONNECTORS``) in
-    ``role`` (``kv_producer`` or ``kv_consumer``), ``extra`` its ``kv_connector_extra_config``."""
+    ``role`` (``kv_producer`` or ``kv_consumer``), ``extra`` its ``kv_connector_extra_config``;
+    ``spec`` replaces ``CONNECTORS[connector_name]`` (the benchmark's module-path overrides)."""
     ktc: dict[str, Any] = {
         "kv_connector": connector_name,
         "kv_role": role,
@@ -112,7 +114,7 @@ def kv_transfer_config(
         "kv_buffer_device": kv_buffer_device,
         "kv_connector_extra_config": dict(extra),
     }
-    if (module_path := CONNECTORS[connector_name].module_path) is not None:
+    if (module_path := (spec or CONNECTORS[connector_name]).module_path) is not None:
         ktc["kv_connector_module_path"] = module_path
     if role == "kv_consumer":
         ktc["kv_load_failure_policy"] = kv_load_failure_policy
@@ -317,6 +319,7 @@ class PdStack(StartStop):
             extra,
             self.kv_load_failure_policy,
             self.kv_buffer_device,
+            spec,
         )
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
         if gpus is not None:

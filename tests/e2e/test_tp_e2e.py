@@ -38,9 +38,13 @@ PROMPTS = [random_prompt(n, seed=200 + n) for n in (30, 64, 129, 200, 300, 500)]
 # D alone disagreed from some token on 3 of these 6 prompts). A P at one TP size hands D KV
 # computed at that size, so the answer is compared with the single instances where they
 # agree: on their common tokens it must have the same tokens, its logprobs within
-# LOGPROB_TOL of D alone's (measured: at most 0.115). KV landing in the wrong heads or blocks
-# changes the tokens from the first one.
+# LOGPROB_TOL of D alone's (measured: at most 0.115). Mixed KV is a third rounding path: it
+# may leave D alone's tokens earlier, but only at a near-tie, where D alone's top two are
+# nearer than NEAR_TIE (a 0.115 shift of each moves their gap by at most 0.23; CI once saw
+# P TP 1 into D TP 2 flip token 15 where both singles agreed). KV landing in the wrong heads
+# or blocks changes the tokens and logprobs from the first one.
 LOGPROB_TOL = 0.3
+NEAR_TIE = 0.3
 CASES = {
     "P-TP2-D-TP1": (Instance("0|1", tp=2), Instance("1")),
     "P-TP1-D-TP2": (Instance("0"), Instance("1|0", tp=2)),
@@ -85,18 +89,35 @@ def transfers(url: str, side: str) -> float:
     return metric_sum(text, Metric.TRANSFERS.value, side=side, outcome="done") or 0.0
 
 
+def top_gaps(out: dict[str, Any]) -> list[float]:
+    """Per generated token, the logprob gap between the top two candidates."""
+    gaps = []
+    for top in out["choices"][0]["logprobs"]["top_logprobs"]:
+        best = sorted(top.values(), reverse=True)
+        gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+    return gaps
+
+
 def agreed(got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str) -> int:
     """``got`` equals ``ref`` (D alone) on the tokens where ``ref`` and ``other_tp`` (P alone,
-    the other TP size) agree; how many tokens that was."""
+    the other TP size) agree, or leaves it earlier at one of ``ref``'s near-ties; how many
+    tokens were compared."""
     assert got["usage"]["completion_tokens"] == MAX_TOKENS, what
     (_, tokens, lps), (_, ref_tokens, ref_lps) = choice(got), choice(ref)
     k = next(
         (i for i, (a, b) in enumerate(zip(ref_tokens, choice(other_tp)[1], strict=True)) if a != b),
         len(ref_tokens),
     )
-    assert tokens[:k] == ref_tokens[:k], f"{what}: {tokens} vs D alone {ref_tokens}"
+    left = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), k)
+    if left < k:
+        gap = top_gaps(ref)[left]
+        assert gap < NEAR_TIE, (
+            f"{what}: token {left} differs where D alone's top two are {gap:.3f} apart: "
+            f"{tokens} vs D alone {ref_tokens}"
+        )
+        k = left
     gap = max((abs(a - b) for a, b in zip(lps[:k], ref_lps[:k], strict=True)), default=0.0)
-    print(f"[tp] {what}: the single instances agree on {k} tokens; logprobs off by {gap:.3f}")
+    print(f"[tp] {what}: compared {k} tokens; logprobs off by {gap:.3f}")
     assert gap <= LOGPROB_TOL, f"{what}: logprobs {lps[:k]} vs D alone {ref_lps[:k]}"
     return k
 
@@ -108,7 +129,7 @@ def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) 
     trace_ids, compared = [], 0
     with _client(tp_stack.url) as router, _client(d.url) as dc, _client(p.url) as pc:
         for i, prompt in enumerate(PROMPTS):
-            salted = greedy_body(prompt, cache_salt=uuid.uuid4().hex)
+            salted = greedy_body(prompt, cache_salt=uuid.uuid4().hex, logprobs=2)
             ref, p_alone = (
                 post_ok(dc, "/v1/completions", salted),
                 post_ok(pc, "/v1/completions", salted),

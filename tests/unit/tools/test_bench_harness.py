@@ -185,3 +185,19 @@ def test_nometrics_config_turns_the_connectors_metrics_off(tmp_path: Path) -> No
         assert server.kv_transfer_config is not None
         extra = server.kv_transfer_config["kv_connector_extra_config"]
         assert parse_config(extra).metrics is False
+
+
+@pytest.mark.parametrize("name", ["vllm-push-noprog", "vllm-pull-noprog", "vllm-push-keepcpu"])
+def test_module_path_override_reaches_both_servers(name: str, tmp_path: Path) -> None:
+    """The progress-off and keep-CPU configurations load vLLM's classes from our module
+    (a HostStack refactor once dropped the override: the sweep's noprog stacks ran vLLM's
+    defaults and failed their marker check); plain vLLM configurations load none."""
+    config = CONFIGS[name]
+    stack = make_stack(config, tmp_path / "m", tmp_path)
+    for server in (stack.prefill, stack.decode):
+        assert server.kv_transfer_config is not None
+        assert server.kv_transfer_config["kv_connector_module_path"] == config.module_path
+        assert server.kv_transfer_config["kv_connector"] == config.connector_name
+    plain = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "plain")
+    assert plain.prefill.kv_transfer_config is not None
+    assert "kv_connector_module_path" not in plain.prefill.kv_transfer_config
