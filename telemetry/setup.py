@@ -71,19 +71,21 @@ def setup_tracing(
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from telemetry.batching import QuietBatchSpanProcessor
 
     name = _env("OTEL_SERVICE_NAME") or service_name
     resource = Resource.create(
         {R.SERVICE_NAME.value: name, R.ROLE.value: role, **(attributes or {})}
     )
     provider = TracerProvider(resource=resource, id_generator=_id_generator())
+    # Not the SDK's BatchSpanProcessor: its thread wakes every delay even with nothing queued.
     provider.add_span_processor(
-        BatchSpanProcessor(
+        QuietBatchSpanProcessor(
             _exporter(name, run_dir),
             max_queue_size=65536,
             max_export_batch_size=2048,
-            schedule_delay_millis=export_delay_ms,
+            schedule_delay_s=export_delay_ms / 1000,
         )
     )
     if set_global:
@@ -123,7 +125,7 @@ def process_tracer(
     pid = os.getpid()
     if pid not in _PROCESS:
         # Export within 100 ms: a vLLM process can be killed at shutdown with spans still
-        # queued, and an idle export thread costs nothing.
+        # queued, and an idle export thread sleeps (telemetry/batching.py).
         _PROCESS[pid] = setup_tracing(
             service_name, role=role, attributes=attributes, set_global=False, export_delay_ms=100
         )
