@@ -75,9 +75,10 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     # Idle with a doorbell: every peer's news rings, and an engine event wakes the thread, so
     # the idle poll only catches a peer without doorbells (whose registration P then takes
-    # up at its own prefill's end at the latest). Each idle poll is a round of UCX progress,
-    # so this sets an idle pair's CPU (``python -m bench.poll_cost``).
-    poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=5.0)] = 0.5
+    # up at its own prefill's end at the latest). Each idle poll is a round of UCX progress
+    # (~0.3 ms of CPU), so this sets an idle pair's CPU (``python -m bench.idle_cost``); the
+    # thread still wakes for every lease, deadline and heartbeat on time (thread.py, _until_due).
+    poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=60.0)] = 5.0
     # Doorbells (connector/transfer/doorbell.py): a peer that sends us something also sends a UDP
     # datagram to our side-channel port number, so a thread that only waits on its peer
     # (D for its KV, P for a registration) sleeps until then instead of polling every

@@ -106,27 +106,28 @@ def setup_tracing(
 def _processor(service: str, run_dir: str | os.PathLike[str] | None, delay_ms: int) -> Any:
     """OTLP: the SDK's batch processor and exporter. JSON lines: spans recorded here and
     encoded and written by a sink process of their own (``telemetry.span_pipe``), or, with
-    ``PUSHKV_SPAN_SINK=thread``, by the batch processor's thread in this process."""
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    ``PUSHKV_SPAN_SINK=thread``, by the batch processor's thread in this process. Not the
+    SDK's ``BatchSpanProcessor``: its thread wakes every delay even with nothing queued."""
+    from telemetry.batching import QuietBatchSpanProcessor
 
     endpoint = _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or _env("OTEL_EXPORTER_OTLP_ENDPOINT")
     if endpoint:
-        return BatchSpanProcessor(
+        return QuietBatchSpanProcessor(
             _otlp_exporter(),
             max_queue_size=65536,
             max_export_batch_size=2048,
-            schedule_delay_millis=delay_ms,
+            schedule_delay_s=delay_ms / 1e3,
         )
     folder = Path(run_dir or _env("PUSHKV_RUN_DIR") or "runs/latest")
     path = folder / f"traces-{service}-{os.getpid()}.jsonl"
     if _env("PUSHKV_SPAN_SINK") == "thread":
         from telemetry.exporters import JsonLinesSpanExporter
 
-        return BatchSpanProcessor(
+        return QuietBatchSpanProcessor(
             JsonLinesSpanExporter(path),
             max_queue_size=65536,
             max_export_batch_size=2048,
-            schedule_delay_millis=delay_ms,
+            schedule_delay_s=delay_ms / 1e3,
         )
     from telemetry.span_pipe import PipeSpanProcessor
 

@@ -64,7 +64,10 @@ class PipeSpanProcessor(SpanProcessor):
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (p := me()) and p._forget())
         self._delay = delay_s
+        # Set by the first span queued after a send: the thread blocks on it with no timeout,
+        # so an idle process pays no wake-ups (python -m bench.idle_cost).
         self._wake = threading.Event()
+        self._halt = threading.Event()  # cuts the batching window short at shutdown
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pushkv-span-pipe", daemon=True)
         self._thread.start()
@@ -88,6 +91,8 @@ class PipeSpanProcessor(SpanProcessor):
         if not span.context.trace_flags.sampled or self._stopped:
             return
         self._queue.append(self._records.record(span))
+        if not self._wake.is_set():
+            self._wake.set()
 
     def emitter(self, tracer: Any, processors: Any) -> Callable[..., Any]:
         """``telemetry.emit.emit``'s direct path for ``tracer``: a finished span with explicit
@@ -97,7 +102,7 @@ class PipeSpanProcessor(SpanProcessor):
         None (use the SDK) while this is not the provider's only span processor
         (``processors``: the provider's multi-processor), or the tracer is disabled."""
         gid = self._records.group(tracer.resource, tracer._instrumentation_scope)
-        sampler, ids, queue = tracer.sampler, tracer.id_generator, self._queue
+        sampler, ids, queue, wake = tracer.sampler, tracer.id_generator, self._queue, self._wake
 
         def emit(
             name: str,
@@ -152,14 +157,19 @@ class PipeSpanProcessor(SpanProcessor):
                         ),
                     )
                 )
+                if not wake.is_set():
+                    wake.set()
             return trace_api.NonRecordingSpan(ctx)
 
         return emit
 
     # -- the sending thread ----------------------------------------------------------------
     def _run(self) -> None:
+        # A span queued after the clear sets the event again; one queued before it is in the
+        # queue this send drains: none waits for a later span to be sent.
         while not self._stopped:
-            self._wake.wait(self._delay)
+            self._wake.wait()
+            self._halt.wait(self._delay)  # gather the batch
             self._wake.clear()
             self._send()
 
@@ -233,6 +243,7 @@ class PipeSpanProcessor(SpanProcessor):
             return
         self.force_flush(5_000)
         self._stopped = True
+        self._halt.set()
         self._wake.set()
         self._thread.join(timeout=5)
         self._send()

@@ -54,6 +54,11 @@ class Paths(Protocol):
         """Housekeeping on the transfer thread's clock (drop mappings of dead peers)."""
         ...
 
+    def due_ns(self) -> int | None:
+        """When ``poll`` next has housekeeping to do (None: nothing until something
+        changes); an idle transfer thread sleeps no longer than that."""
+        ...
+
     def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
         """The path for one target (``heads``: the global KV heads this P rank writes to it),
         decided without planning descriptors (that costs ~2 ms at 16k tokens,

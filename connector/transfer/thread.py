@@ -250,13 +250,33 @@ class TransferThread:
                 incoming=incoming,
                 trusted=remote and self._peers_ring(),
             )
-            rings = self._wake.wait(delay)
+            rings = self._wake.wait(self._until_due(delay))
             woken, rung = rings.woken, rings.messages > 0
             if self._incoming is not None and (rings.writes or rings.dones):
                 self._incoming.announced(rings.writes, self._clock() / 1e9)
                 # A WRITE bell announces work (incoming), not news; a DONE bell is news
                 # unless its completion is in already.
                 rung = rung or any(self._incoming.done_rung(k) for k in rings.dones)
+
+    def _until_due(self, delay_s: float) -> float:
+        """``delay_s``, but no sleep past the next deadline the tables (leases, deadlines,
+        heartbeats, tombstones) or the path driver keep: an idle thread sleeps long
+        (``poll_idle_bell_s``), and each of them must still fire on time. Never below
+        ``hot_max_s``, so a deadline that stays due cannot spin the thread."""
+        s, r = self.sender, self.receiver
+        due = [
+            d
+            for d in (
+                s.table.next_deadline_ns() if s is not None else None,
+                r.table.next_deadline_ns() if r is not None else None,
+                s.paths.due_ns() if s is not None and s.paths is not None else None,
+            )
+            if d is not None
+        ]
+        if not due:
+            return delay_s
+        left_s = (min(due) - self._clock()) / 1e9
+        return min(delay_s, max(left_s, self._backoff.hot_max_s))
 
     def _local_busy(self) -> bool:
         """Work of ours that needs UCX progress to finish: a dial, a WRITE in flight."""

@@ -228,6 +228,10 @@ class GpuPaths:
     def forget(self, agent: str) -> None:
         self._mapped.pop(agent, None)
 
+    def due_ns(self) -> int | None:
+        """The next check for dead D processes, while any D is mapped (``poll``)."""
+        return self._next_check_ns if self._mapped else None
+
     def poll(self, now_ns: int) -> None:
         """Drop the mapping of a D whose process has died: an open IPC mapping keeps its KV
         memory allocated on the GPU, which a restarted D would need. Checked every second,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,45 @@ def test_a_forked_child_does_not_keep_the_sink_open(tmp_path: Path) -> None:
         os.close(write_end)
         os.waitpid(pid, 0)
     assert [sp["name"] for sp in _spans(tmp_path / "out.jsonl")] == ["s"]
+
+
+def _written(path: Path) -> int:
+    """Spans in the sink's file so far (a line still being written counts none)."""
+    try:
+        return len(_spans(path))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def test_spans_go_out_within_the_delay_and_an_idle_thread_never_wakes(tmp_path: Path) -> None:
+    """The sending thread blocks with no timeout while nothing is queued (an idle engine pays
+    no wake-ups), yet every span, spans on the direct path too, is sent within the delay."""
+    path = tmp_path / "out.jsonl"
+    pipe = PipeSpanProcessor(path, delay_s=0.01)
+    provider = TracerProvider()
+    provider.add_span_processor(pipe)
+    tracer = provider.get_tracer("t")
+    waits: list[float | None] = []
+    real_wait = pipe._wake.wait
+
+    def counting_wait(timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        return real_wait(timeout)
+
+    pipe._wake.wait = counting_wait  # type: ignore[method-assign]
+    pipe._wake.set()  # let the thread's first wait return into counting_wait
+    for i, name in enumerate(("sdk", "direct", "sdk-again")):
+        if name == "direct":
+            emit(tracer, Span.PREFILL, parent=None, start_ns=1, end_ns=2)
+        else:
+            tracer.start_span(name).end()
+        deadline = time.monotonic() + 10.0
+        while _written(path) < i + 1:
+            assert time.monotonic() < deadline, f"span {name} not sent without a flush"
+            time.sleep(0.005)  # polling an outcome with a bound
+    assert waits and all(t is None for t in waits), f"waits with a timeout: {waits}"
+    n = len(waits)
+    time.sleep(0.1)  # ten delays with nothing queued
+    assert len(waits) == n, "an idle sending thread must not wake"
+    provider.shutdown()
+    assert not pipe._thread.is_alive()

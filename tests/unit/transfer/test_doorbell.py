@@ -313,3 +313,39 @@ def test_d_trusts_its_peers_to_ring_only_once_every_p_rank_it_waits_on_has_rung(
     assert not thread._peers_ring(), "u also waits on P rank 1, which never rang"
     bell.heard.add((p1.addr.host, p1.port))
     assert thread._peers_ring()
+
+
+# ---------------------------------------------------------------- idle sleep vs deadlines
+def test_an_idle_thread_sleeps_long_yet_wakes_for_a_deadline_on_time() -> None:
+    """With a doorbell an idle thread sleeps ``poll_idle_bell_s`` (5 s), but a deadline its
+    tables keep (here: a registration that came before its prefill, ttl 300 ms) still
+    fires on time, not at the next idle poll."""
+    import msgspec
+
+    from connector.config import PushkvConfig
+    from connector.core import messages as m
+    from connector.core.state import SendState
+    from connector.transfer.thread import TransferThread
+
+    assert PushkvConfig().poll_idle_bell_s >= 5.0
+    pair = Pair()
+    bell = Doorbell("127.0.0.1", 0)
+    thread = TransferThread(pair.tp, pair.sender.peers, sender=pair.sender, bell=bell)
+    reg = msgspec.structs.replace(pair.register("t"), ttl_ms=300)
+    pair.sender.on_message(pair.d_spec.agent, reg, time.monotonic_ns())  # before start: no race
+    t0 = time.monotonic()
+    thread.start()
+    try:
+        expired = (SendState.EXPIRED, m.FailReason.REGISTRATION_EXPIRED)
+        deadline = t0 + BOUND_S
+        while not pair.sender.table.ended[expired] and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling an outcome with a bound, not synchronising on time
+        took = time.monotonic() - t0
+        assert pair.sender.table.ended[expired] == 1, "the registration never expired"
+        assert took < 2.0, f"expired after {took:.2f} s: the idle sleep overran its deadline"
+        # Nothing left to wait for: the thread sleeps (at most a tombstone's wake-up).
+        polls = thread.counters["polls"]
+        time.sleep(1.5)  # an observation window: three of the old (0.5 s) idle polls
+        assert thread.counters["polls"] - polls <= 1, "an idle thread must not poll"
+    finally:
+        thread.stop()
