@@ -66,7 +66,7 @@ def _provider_class() -> Any:
             procs = self._active_span_processor
             for proc in procs._span_processors:
                 if isinstance(proc, PipeSpanProcessor) and hasattr(tracer, "sampler"):
-                    tracer.pushkv_emit = proc.emitter(tracer, procs)
+                    tracer.pushkv_emit = proc.emitter(tracer, procs)  # type: ignore[attr-defined]
             return tracer
 
     return Provider

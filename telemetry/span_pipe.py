@@ -62,7 +62,12 @@ class PipeSpanProcessor(SpanProcessor):
         # A forked child (vLLM's multiproc workers) must not hold the sink's pipe open: the
         # sink exits, and shutdown's wait returns, only when every writer has closed it.
         me = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (p := me()) and p._forget())
+
+        def after_fork() -> None:
+            if (p := me()) is not None:
+                p._forget()
+
+        os.register_at_fork(after_in_child=after_fork)
         self._delay = delay_s
         # Set by the first span queued after a send: the thread blocks on it with no timeout,
         # so an idle process pays no wake-ups (python -m bench.idle_cost).
@@ -116,12 +121,9 @@ class PipeSpanProcessor(SpanProcessor):
         ) -> Any:
             if processors._span_processors != (self,) or not tracer._is_enabled():
                 return None
-            parent_sc = trace_api.get_current_span(parent).get_span_context()
-            if not parent_sc.is_valid:
-                parent_sc = None
-                trace_id = ids.generate_trace_id()
-            else:
-                trace_id = parent_sc.trace_id
+            found = trace_api.get_current_span(parent).get_span_context()
+            parent_sc = found if found.is_valid else None
+            trace_id = ids.generate_trace_id() if parent_sc is None else parent_sc.trace_id
             sampled = sampler.should_sample(parent, trace_id, name, kind, attrs, ())
             flags = TraceFlags(TraceFlags.SAMPLED if sampled.decision.is_sampled() else 0)
             ctx = SpanContext(
