@@ -166,6 +166,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "longest length, at least 256 MiB)",
     )
     p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the servers' dtype; auto: bfloat16 on a GPU or a CPU with native bf16 "
+        "(avx512_bf16 or AMX), float32 on other CPUs (AVX2 only: vLLM's bf16 path computes "
+        "there at a few GFLOP/s, `python -m bench.cpu_dtype`)",
+    )
+    p.add_argument(
         "--server-args",
         default="",
         help="more vLLM flags for every server, one string (e.g. on a GPU host)",
@@ -231,9 +239,28 @@ def resolve_model(name: str) -> tuple[Path, dict[str, Any]]:
     return path, config
 
 
-def server_args(plan: SweepPlan, config: dict[str, Any], kv_bytes: int | None) -> list[str]:
-    """Context and KV size for the longest prompt (after ``VllmServer``'s own flags, so
-    they win)."""
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), from /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True  # not Linux: leave vLLM's default alone
+    flags = set(cpuinfo.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(dtype: str, gpus: object) -> str:
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if gpus is not None or cpu_has_native_bf16() else "float32"
+
+
+def server_args(
+    plan: SweepPlan, config: dict[str, Any], kv_bytes: int | None, dtype: str = "bfloat16"
+) -> list[str]:
+    """Context, dtype and KV size for the longest prompt (after ``VllmServer``'s own flags,
+    so they win)."""
     limit = config.get("max_position_embeddings")
     if limit is not None and plan.max_model_len() > int(limit):
         raise SystemExit(
@@ -241,12 +268,19 @@ def server_args(plan: SweepPlan, config: dict[str, Any], kv_bytes: int | None) -
             f"{limit} (use --model tiny-kv, or shorter --lengths)"
         )
     if kv_bytes is None:
-        per_token = _kv_per_token(config)
+        per_token = _kv_per_token(config, 4 if dtype == "float32" else 2)
         kv_bytes = max(MIN_KV_BYTES, per_token * plan.max_model_len() * KV_ROOM_REQUESTS)
-    return ["--max-model-len", str(plan.max_model_len()), "--kv-cache-memory-bytes", str(kv_bytes)]
+    return [
+        "--max-model-len",
+        str(plan.max_model_len()),
+        "--dtype",
+        dtype,
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
+    ]
 
 
-def _kv_per_token(config: dict[str, Any]) -> int:
+def _kv_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     try:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         return kv_bytes_per_token(
@@ -256,7 +290,8 @@ def _kv_per_token(config: dict[str, Any]) -> int:
                     "num_key_value_heads", config["num_attention_heads"]
                 ),
                 "head_dim": head_dim,
-            }
+            },
+            dtype_bytes,
         )
     except (KeyError, TypeError, ZeroDivisionError):
         return 0  # unknown geometry: the minimum size
@@ -498,7 +533,12 @@ def main(argv: Sequence[str]) -> int:
     setup = Setup(
         plan,
         model,
-        (*server_args(plan, model_config, args.kv_cache_bytes), *shlex.split(args.server_args)),
+        (
+            *server_args(
+                plan, model_config, args.kv_cache_bytes, resolve_dtype(args.dtype, args.gpus)
+            ),
+            *shlex.split(args.server_args),
+        ),
         args.pin_servers,
         run_dir,
         _now() + args.max_minutes * 60.0,

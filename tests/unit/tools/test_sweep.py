@@ -243,3 +243,33 @@ def test_gpus_put_p_d_and_single_each_on_their_own_devices(tmp_path: Path) -> No
     )
     assert "CUDA_VISIBLE_DEVICES" not in plain.prefill.env  # type: ignore[attr-defined]
     assert plain.prefill.kv_transfer_config["kv_buffer_device"] == "cpu"  # type: ignore[attr-defined]
+
+
+def test_dtype_auto_is_float32_only_on_a_cpu_without_native_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an AVX2-only CPU vLLM's bf16 GEMMs crawl (python -m bench.cpu_dtype), so the sweep
+    runs float32 there, and sizes each server's KV cache for 4-byte KV."""
+    assert sweep.cpu_has_native_bf16("flags : fpu avx2 avx512f avx512_bf16")
+    assert sweep.cpu_has_native_bf16("flags : fpu avx2 amx_bf16 amx_tile")
+    assert not sweep.cpu_has_native_bf16("flags : fpu sse avx2 fma")
+    monkeypatch.setattr(sweep, "cpu_has_native_bf16", lambda: False)
+    assert sweep.resolve_dtype("auto", None) == "float32"
+    assert sweep.resolve_dtype("auto", ("0", "1")) == "bfloat16"  # a GPU host
+    assert sweep.resolve_dtype("bfloat16", None) == "bfloat16"
+    monkeypatch.setattr(sweep, "cpu_has_native_bf16", lambda: True)
+    assert sweep.resolve_dtype("auto", None) == "bfloat16"
+    plan = sweep.make_plan(sweep.parse_args(["--lengths", "2048"]))
+    geometry = {
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 256,
+    }
+    bf16, fp32 = (sweep.server_args(plan, geometry, None, d) for d in ("bfloat16", "float32"))
+    size = {
+        a: int(x[x.index("--kv-cache-memory-bytes") + 1]) for a, x in (("b", bf16), ("f", fp32))
+    }
+    assert size["f"] == 2 * size["b"]
+    assert fp32[fp32.index("--dtype") + 1] == "float32"
