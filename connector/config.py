@@ -76,9 +76,11 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Idle with a doorbell: every peer's news rings, and an engine event wakes the thread, so
     # the idle poll only catches a peer without doorbells (whose registration P then takes
     # up at its own prefill's end at the latest). Each idle poll is a round of UCX progress
-    # (~0.3 ms of CPU), so this sets an idle pair's CPU (``python -m bench.idle_cost``); the
-    # thread still wakes for every lease, deadline and heartbeat on time (thread.py, _until_due).
-    poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=60.0)] = 5.0
+    # (~0.3 ms of CPU: 0.06 % of a core at 0.5 s, ``python -m bench.idle_cost``). Not longer:
+    # a new peer's first message needs a few rounds of our progress for UCX's wire-up, and
+    # its bell rings before the first of them (5 s made a first registration take > 10 s).
+    # The thread still wakes for every lease, deadline and heartbeat on time (_until_due).
+    poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=60.0)] = 0.5
     # Doorbells (connector/transfer/doorbell.py): a peer that sends us something also sends a UDP
     # datagram to our side-channel port number, so a thread that only waits on its peer
     # (D for its KV, P for a registration) sleeps until then instead of polling every

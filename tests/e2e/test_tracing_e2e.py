@@ -84,7 +84,8 @@ def read_spans(run_dir: Path, trace_ids: set[str]) -> dict[str, list[dict[str, A
     service name they came from."""
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for path in sorted(run_dir.glob("traces-*.jsonl")):
-        for line in path.read_text().splitlines():
+        # A file still being written may end in part of a line: only whole lines are read.
+        for line in path.read_text().split("\n")[:-1]:
             if not line.strip():
                 continue
             for rs in json.loads(line)["resourceSpans"]:

@@ -317,8 +317,8 @@ def test_d_trusts_its_peers_to_ring_only_once_every_p_rank_it_waits_on_has_rung(
 
 # ---------------------------------------------------------------- idle sleep vs deadlines
 def test_an_idle_thread_sleeps_long_yet_wakes_for_a_deadline_on_time() -> None:
-    """With a doorbell an idle thread sleeps ``poll_idle_bell_s`` (5 s), but a deadline its
-    tables keep (here: a registration that came before its prefill, ttl 300 ms) still
+    """With a doorbell an idle thread sleeps ``poll_idle_bell_s`` (here 5 s), but a deadline
+    its tables keep (here: a registration that came before its prefill, ttl 300 ms) still
     fires on time, not at the next idle poll."""
     import msgspec
 
@@ -327,10 +327,12 @@ def test_an_idle_thread_sleeps_long_yet_wakes_for_a_deadline_on_time() -> None:
     from connector.core.state import SendState
     from connector.transfer.thread import TransferThread
 
-    assert PushkvConfig().poll_idle_bell_s >= 5.0
     pair = Pair()
     bell = Doorbell("127.0.0.1", 0)
-    thread = TransferThread(pair.tp, pair.sender.peers, sender=pair.sender, bell=bell)
+    backoff = PushkvConfig(poll_idle_bell_s=5.0).backoff(doorbell=True)
+    thread = TransferThread(
+        pair.tp, pair.sender.peers, sender=pair.sender, bell=bell, backoff=backoff
+    )
     reg = msgspec.structs.replace(pair.register("t"), ttl_ms=300)
     pair.sender.on_message(pair.d_spec.agent, reg, time.monotonic_ns())  # before start: no race
     t0 = time.monotonic()
