@@ -66,7 +66,7 @@ def serve(path: Path, inp: BinaryIO, out: BinaryIO) -> int:
                 headers.update(new)
                 if rows:
                     f.write(encode_records(headers, rows))
-                    f.flush()  # readers of a live run see each batch whole
+                    f.flush()  # out at once; a live reader may still catch a line mid-write
             elif kind == FLUSH:
                 f.flush()
                 out.write(ACK)
