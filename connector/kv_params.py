@@ -56,6 +56,14 @@ class DecodeLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     tracestate: Tracestate = ""
     # The router's signature over the coordinates and transfer_id (``sign_decode_params``).
     pushkv_sig: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # How many of the prompt's leading tokens P computes (None: all). The router's first
+    # token from P sends D the prompt plus P's token: D loads the prompt, computes the token.
+    remote_num_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+    def covered(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens whose KV comes from P."""
+        n = self.remote_num_tokens
+        return num_prompt_tokens if n is None else min(n, num_prompt_tokens)
 
     def port_of(self, p_rank: int) -> int:
         return self.remote_ports[p_rank] if self.remote_ports else self.remote_port + p_rank

@@ -186,15 +186,18 @@ class SchedulerSide:
         rec = self._reqs.get(request.request_id)
         if rec is None or rec.decode is None:
             return 0, False
-        missing = request.num_prompt_tokens - num_computed_tokens
+        covered = rec.decode.covered(request.num_prompt_tokens)
+        missing = covered - num_computed_tokens
         if rec.state is ReqState.REFUSED:
             # A load to fail (update_state_after_alloc), so that vLLM ends the request.
             return (missing, True) if missing > 0 else (0, False)
         if rec.state is not ReqState.AWAITING_ALLOC:
             return 0, False
-        # vLLM recomputes the last prompt token after a load anyway, so a hit that leaves
-        # at most that token to fetch means nothing needs to move.
-        return (missing, True) if missing > 1 else (0, False)
+        # vLLM recomputes the last prompt token after a load of the whole prompt anyway, so
+        # a hit that leaves at most that token to fetch means nothing needs to move. P
+        # covering less than the prompt (first token from P): D computes the rest itself.
+        recomputed = 1 if covered == request.num_prompt_tokens else 0
+        return (missing, True) if missing > recomputed else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rec = self._reqs.get(request.request_id)
@@ -216,13 +219,14 @@ class SchedulerSide:
         elif move.effect is Effect.STAGE_REGISTRATION:
             groups = blocks.get_unhashed_block_ids_all_groups()
             block_ids: BlockTable = tuple(tuple(g) for g in groups)
+            covered = leg.covered(request.num_prompt_tokens)
             self._step.registrations.append(
                 StagedRegistration(
                     leg.transfer_id,
                     rid,
                     block_ids,
-                    first_token=request.num_prompt_tokens - num_external_tokens,
-                    num_tokens=request.num_prompt_tokens,
+                    first_token=covered - num_external_tokens,
+                    num_tokens=covered,
                     leg=leg,
                     alloc_ns=time.time_ns(),
                 )

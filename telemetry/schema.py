@@ -133,6 +133,10 @@ class Attr(str, Enum):
     FAILED_ROLE = "pushkv.router.failed_role"  # "prefill" | "decode": whose leg failed
     DEGRADED = "pushkv.router.degraded"  # on `request`: served by D alone (no P usable)
     LOOP_LAG_MS = "pushkv.router.loop_lag_ms"  # on `request`: worst event-loop lag while open
+    # on `request`: who sent the client's first token, "prefill" | "decode" (--first-token),
+    # and, when prefill was asked for but the request could not be served so, why not
+    FIRST_TOKEN_FROM = "pushkv.router.first_token"
+    FIRST_TOKEN_BLOCKER = "pushkv.router.first_token_blocker"
     # on `request`: where its start comes from: "server" (the HTTP server's stamp when it began
     # parsing the request) or "handler" (no stamp: the handler's start)
     ARRIVAL = "pushkv.router.arrival"

@@ -1,8 +1,8 @@
 """The router's configuration: one validated, frozen ``RouterConfig``, and its CLI parser.
 
-Owns: ``Mode``, ``PrefillCoords`` (where D must reach P's KV), ``CoordOverride`` (the
-``--prefill-*`` flags of one P), ``RouterConfig`` and ``parse_args``. Nothing else in the
-router reads raw flags.
+Owns: ``Mode``, ``FirstToken``, ``PrefillCoords`` (where D must reach P's KV),
+``CoordOverride`` (the ``--prefill-*`` flags of one P), ``RouterConfig`` and ``parse_args``.
+Nothing else in the router reads raw flags.
 
 Must not import: httpx, starlette, uvicorn, vLLM, NIXL (this is plain data; the CLI parses
 it before anything heavy is imported).
@@ -35,6 +35,13 @@ class Mode(enum.Enum):
         "vllm-push"  # vLLM's NixlPushConnector: legs at the same moment, coordinates from flags
     )
     PULL = "pull"  # vLLM's NixlConnector: P first, then D with P's returned kv_transfer_params
+
+
+class FirstToken(enum.Enum):
+    """Who gives the client its first token (connector/router/first_token.py)."""
+
+    DECODE = "decode"  # D, after the KV is in and its first step ran
+    PREFILL = "prefill"  # P, the moment it answers; D continues from token 2
 
 
 # Where D reaches one P's KV: the connector's own type (connector/kv_params.py), so the
@@ -102,6 +109,8 @@ class RouterConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     mode: Mode = Mode.PUSH
+    # push mode only; a request first_token.blocker refuses runs as with DECODE.
+    first_token: FirstToken = FirstToken.DECODE
     host: str = "127.0.0.1"
     port: int = 8000
     # One per prefill URL (empty tuple: no overrides anywhere).
@@ -172,6 +181,8 @@ class RouterConfig:
                 raise ConfigError(f"--prefill-kv-port out of range: {o.port}")
             if o.tp_size is not None and o.tp_size < 1:
                 raise ConfigError(f"--prefill-tp-size must be >= 1: {o.tp_size}")
+        if self.first_token is FirstToken.PREFILL and self.mode is not Mode.PUSH:
+            raise ConfigError("--first-token prefill needs --mode push")
         if self.mode is Mode.VLLM_PUSH:
             # vLLM's push D reads these by index (a missing key kills its EngineCore), and
             # NixlPushConnector has no probe: they must come from the flags.
@@ -223,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PUSH.value)
+    p.add_argument(
+        "--first-token",
+        choices=[f.value for f in FirstToken],
+        default=FirstToken.DECODE.value,
+        help="prefill: stream P's token at once, D continues from it (docs/operations.md)",
+    )
     g = p.add_argument_group(
         "prefill transfer coordinates (override the probe; one value "
         "per --prefill URL or one for all)"
@@ -312,6 +329,7 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
             prefill_urls=tuple(a.prefill),
             decode_urls=tuple(a.decode),
             mode=mode,
+            first_token=FirstToken(a.first_token),
             host=a.host,
             port=a.port,
             prefill_overrides=tuple(overrides),

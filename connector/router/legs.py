@@ -119,10 +119,19 @@ def leg_headers(request_id: str, traceparent: str, authorization: str | None) ->
 
 
 def prefill_body(
-    mode: Mode, endpoint: Endpoint, body: JsonObj, *, transfer_id: str, traceparent: str
+    mode: Mode,
+    endpoint: Endpoint,
+    body: JsonObj,
+    *,
+    transfer_id: str,
+    traceparent: str,
+    token_ids: bool = False,
 ) -> JsonObj:
-    """P's leg: prefill only (one token), never streamed."""
+    """P's leg: prefill only (one token), never streamed. ``token_ids``: P's answer names
+    the prompt's token ids and its token's (first token from P: D continues from them)."""
     out = copy.deepcopy(body)
+    if token_ids:
+        out["return_token_ids"] = True
     out["max_tokens"] = 1
     if endpoint is Endpoint.CHAT and "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1

@@ -11,6 +11,8 @@ when the P leg fails) and ``Dispatch`` (one attempt):
   request) and answers P's error; D failing cancels P. D finishing first leaves P to end in
   the background (its own deadline bounds it).
 - pull: P, then D with P's returned ``kv_transfer_params``.
+- push with ``--first-token prefill`` (``first_token.py``): P, whose token the client gets at
+  once, then D continuing from it. Once that token is out, a failure is an error event.
 - degraded (no P usable): D alone, with the client's body as is.
 The caller (``app.py``) runs ``Dispatch.serve`` under a cancel scope that fires when the
 client disconnects; cleanup then closes both legs.
@@ -32,11 +34,11 @@ from typing import Any, Final, TypeVar
 import anyio
 from starlette.types import Send
 
-from connector.core.errors import PushkvError
+from connector.core.errors import PushkvError, RemoteProtocolError
 from connector.kv_params import sign_decode_params
-from connector.router import legs
+from connector.router import first_token, legs
 from connector.router.backends import Backend, Lease, Role
-from connector.router.config import Mode, RouterConfig
+from connector.router.config import FirstToken, Mode, RouterConfig
 from connector.router.tracing import RequestTrace
 from connector.router.upstream import Stream, TransportError
 from telemetry.schema import Outcome
@@ -260,6 +262,12 @@ class Dispatch:
             legs.vllm_transfer_id() if mode is Mode.VLLM_PUSH else legs.new_transfer_id()
         )
         self._background = background
+        # First token from P: asked for, and this request allows it (else why not).
+        self.first_token_blocker: str | None = None
+        self.first_token = False
+        if config.first_token is FirstToken.PREFILL and p is not None:
+            self.first_token_blocker = first_token.blocker(endpoint, body)
+            self.first_token = self.first_token_blocker is None
         self._p_task: asyncio.Task[dict[str, Any]] | None = None
         self._d_resp: Stream | None = None
         self._d_done = False  # D's whole answer has been relayed
@@ -289,6 +297,7 @@ class Dispatch:
             self.body,
             transfer_id=self.transfer_id,
             traceparent=traceparent,
+            token_ids=self.first_token,
         )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
         answer = await post_json(
@@ -311,7 +320,12 @@ class Dispatch:
             )
         return answer
 
-    def _decode(self, prefill_params: dict[str, Any] | None = None) -> Awaitable[Stream]:
+    def _decode(
+        self,
+        prefill_params: dict[str, Any] | None = None,
+        token: first_token.PrefillToken | None = None,
+    ) -> Awaitable[Stream]:
+        """D's leg; ``token``: continued from P's token (first token from P)."""
         d = self.d.backend
         traceparent = self.trace.decode_started(d.url)
         if self.p is None:
@@ -326,6 +340,8 @@ class Dispatch:
                 coords=self.coords,
                 prefill_params=prefill_params,
             )
+            if token is not None:
+                body = first_token.continuation_body(body, token)
         secret = self.config.auth_secret
         if secret is not None and self.p is not None and self.config.mode is Mode.PUSH:
             body["kv_transfer_params"] = sign_decode_params(
@@ -357,6 +373,12 @@ class Dispatch:
             self.p.backend.name if self.p is not None else "none (degraded)",
             self.d.backend.name,
         )
+        if self.config.first_token is FirstToken.PREFILL:
+            self.trace.first_token(
+                "prefill" if self.first_token else "decode", self.first_token_blocker
+            )
+        if self.first_token:
+            return await self._serve_first_token(send)
         if self.p is None:
             watch = PrefillWatch(None)
             decode = self._decode()
@@ -406,6 +428,44 @@ class Dispatch:
         else:
             await self._relay_whole(send, opened, watch)
 
+    async def _serve_first_token(self, send: Send) -> None:
+        """P first; the client gets its token as soon as P answers, then D continues from it.
+        P's blocks wait for D's registration as in either order of the push protocol."""
+        assert self.p is not None
+        p = self.p.backend
+        try:
+            answer = await self._prefill()
+        except UpstreamError as err:
+            return await self._fail_early(send, err, Role.PREFILL)
+        finally:
+            self.p.release()
+        try:
+            token = first_token.PrefillToken.read(answer)
+        except RemoteProtocolError as exc:
+            p.record_leg_failure(suspect=True)
+            unusable = UpstreamError(502, f"{p.name}: {exc}", backend=p.name)
+            return await self._fail_early(send, unusable, Role.PREFILL)
+        stamp = TraceStamp(self.trace.trace_id)
+        await send(_start(200, "text/event-stream", self.request_id))
+        if token.stopped:
+            # No D leg: P's blocks wait for a registration until their lease ends (lease_s).
+            self._d_done = True
+            events = stamp.feed(first_token.first_event(token))
+            events += stamp.feed(first_token.final_events(token, self.body))
+            self.trace.sent(events, stream=True)
+            return await _send_body(send, events)
+        event = stamp.feed(first_token.first_event(token))
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        self.trace.sent(event, stream=True)
+        try:
+            resp = await self._decode(token=token)
+        except UpstreamError as err:
+            self._d_error = err.message
+            return await _send_body(send, err.sse())
+        self._d_resp = resp
+        shift = first_token.UsageShift()
+        await self._relay_stream(send, resp, PrefillWatch(None), started=True, shift=shift)
+
     def _response_start(self, resp: Stream) -> dict[str, Any]:
         return _start(resp.status_code, resp.content_type or "application/json", self.request_id)
 
@@ -424,10 +484,18 @@ class Dispatch:
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self.trace.sent(body, stream=False)
 
-    async def _relay_stream(self, send: Send, resp: Stream, watch: PrefillWatch) -> None:
+    async def _relay_stream(
+        self,
+        send: Send,
+        resp: Stream,
+        watch: PrefillWatch,
+        *,
+        started: bool = False,
+        shift: first_token.UsageShift | None = None,
+    ) -> None:
         # The client's answer starts with D's first chunk, not D's headers: until then a
         # failure of either leg is still a plain error answer, or another attempt.
-        started = False
+        # ``started``: it already has (P's token was sent).
         stamp = TraceStamp(self.trace.trace_id)
         tail = b"\n\n"
 
@@ -435,6 +503,8 @@ class Dispatch:
             nonlocal started, tail
             if not data:
                 return
+            if shift is not None:
+                data = shift.apply(data)
             if not started:
                 started = True
                 await send(self._response_start(resp))

@@ -201,6 +201,13 @@ class RequestTrace:
                 {Attr.ATTEMPTS.value: attempts, Attr.DEGRADED.value: degraded}
             )
 
+    def first_token(self, source: str, blocker: str | None) -> None:
+        """Who sends the client's first token, and (``--first-token prefill``) why not P."""
+        if self._root is not None:
+            self._root.set_attribute(Attr.FIRST_TOKEN_FROM.value, source)
+            if blocker is not None:
+                self._root.set_attribute(Attr.FIRST_TOKEN_BLOCKER.value, blocker)
+
     # -- legs: each returns the traceparent its request carries --------------------------
     def prefill_started(self, url: str) -> str:
         self._leg_started("prefill", url)

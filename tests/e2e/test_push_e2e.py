@@ -383,3 +383,63 @@ def test_idle_pair_uses_almost_no_cpu(pd: Pd, record_property: RecordProperty, b
         f"{IDLE_WINDOW_S:.0f} s (utime+stime of both servers' process groups)"
     )
     IDLE_PAIR_CPU.check(record_property, bound, share)
+
+
+def stream_with_logprobs(
+    client: httpx.Client, body: dict[str, Any]
+) -> tuple[str, list[str], list[float], dict[str, int]]:
+    """A streamed completion: its text, tokens, logprobs and usage."""
+    text, tokens, lps, usage = "", [], [], {}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, resp.read().decode()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                text += c["text"]
+                tokens += c["logprobs"]["tokens"]
+                lps += c["logprobs"]["token_logprobs"]
+    return text, tokens, lps, usage
+
+
+def test_first_token_from_prefill_equals_single_instance(pd: Pd) -> None:
+    """``--first-token prefill``: the client's first token is P's, D continues from it with
+    the prompt's KV pushed by P (D computes only P's token); the stream equals D alone's."""
+    from connector.tools.pdstack import RouterProcess
+
+    stack = pd.stack
+    router = RouterProcess(
+        prefill_url=stack.prefill.url,
+        decode_url=stack.decode.url,
+        port=free_port(),
+        extra_args=["--first-token", "prefill", "--health-timeout", "5"],
+        log_path=stack.run_dir / "router-first-token.log",
+    )
+    lengths = (20, 128, 129, 600)
+    prompts = {n: random_prompt(n, seed=2000 + n) for n in lengths}
+    router.start()
+    try:
+        router.wait_healthy(60.0)
+        before = source_tokens(pd.decode)
+        got = {}
+        with httpx.Client(base_url=router.url, timeout=120.0, trust_env=False) as client:
+            for n, prompt in prompts.items():
+                got[n] = stream_with_logprobs(client, greedy_body(prompt))
+    finally:
+        router.stop()
+    after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + sum(lengths))
+    delta = {k: after[k] - before[k] for k in after}
+    # D's prompt is the prompt plus P's token: the prompt's KV came from P, the token is D's.
+    assert delta["external_kv_transfer"] == sum(lengths), (delta, stack.run_dir)
+    assert delta["local_compute"] == len(lengths), delta
+    for n, prompt in prompts.items():
+        text, tokens, lps, usage = got[n]
+        ref_text, ref_tokens, ref_lps = choice(reference(pd, prompt))
+        assert usage["prompt_tokens"] == n and usage["completion_tokens"] == MAX_TOKENS, usage
+        assert (text, tokens) == (ref_text, ref_tokens), f"{n}-token prompt"
+        worst = max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True))
+        assert worst <= FIRST_LOGPROB_TOL, f"{n}-token prompt: logprobs {lps} vs {ref_lps}"

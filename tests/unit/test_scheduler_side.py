@@ -173,6 +173,27 @@ def test_decode_registers_the_uncached_suffix_when_blocks_are_allocated() -> Non
     assert s.build_connector_meta(SchedOut({})).empty()
 
 
+def test_decode_registers_only_the_prefix_p_computes() -> None:
+    """First token from P: D's prompt is P's 299 tokens plus P's token; D loads the 299
+    (even the last of them: vLLM recomputes nothing it loaded) and computes the token."""
+    s = consumer()
+    req = Req("d1", {**D_LEG, "remote_num_tokens": 299})
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 128) == (171, True)
+    assert s.get_num_new_matched_tokens(req, 298) == (1, True)
+    assert s.get_num_new_matched_tokens(req, 299) == (0, False)
+    s.update_state_after_alloc(req, Blocks([[9, 10, 11]]), 171)
+    (reg,) = s.build_connector_meta(SchedOut({})).registrations
+    assert (reg.first_token, reg.num_tokens) == (128, 299)
+
+
+def test_a_prefix_longer_than_the_prompt_is_the_prompt() -> None:
+    s = consumer()
+    req = Req("d1", {**D_LEG, "remote_num_tokens": 999})
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 128) == (172, True)
+
+
 def test_decode_full_hit_frees_p_at_once() -> None:
     s = consumer()
     req = Req("d1", dict(D_LEG))

@@ -57,6 +57,7 @@ class BenchConfig:
     # P, D and the router share a secret (docs/security.md): sealed messages, coordinates
     # signed by the router and checked by D. The secret goes to a file, never an argv.
     sealed: bool = False
+    router_args: tuple[str, ...] = ()  # more flags for the router
 
     @property
     def router_mode(self) -> str:
@@ -94,6 +95,14 @@ CONFIGS: dict[str, BenchConfig] = {
             description="pushkv PushConnector with a shared secret: sealed messages, "
             "router-signed coordinates (docs/security.md)",
             sealed=True,
+        ),
+        # The client's first token straight from P; D continues from it (one step fewer).
+        BenchConfig(
+            "push-ft",
+            "PushConnector",
+            description="pushkv PushConnector, first token from P (router --first-token "
+            "prefill), tracing on",
+            router_args=("--first-token", "prefill"),
         ),
         # The cost of the connector's metrics: the same stack with metrics: false.
         BenchConfig(
@@ -198,11 +207,11 @@ def make_stack(
     ``server_args``: appended to both vLLM command lines (e.g. a longer context);
     ``gpus``: P's and D's CUDA_VISIBLE_DEVICES on a GPU host (None: both see every GPU),
     where vLLM's connectors then keep their KV buffers on the GPU."""
-    extra, router_args = dict(config.extra_config), []
+    extra, router_args = dict(config.extra_config), list(config.router_args)
     if config.sealed:
         secret = write_secret(run_dir / f"{config.name}.secret")
         extra["auth_secret_file"] = str(secret)
-        router_args = ["--auth-secret-file", str(secret)]
+        router_args += ["--auth-secret-file", str(secret)]
     return BenchStack(
         model,
         run_dir,

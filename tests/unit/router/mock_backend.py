@@ -4,7 +4,8 @@ Knobs (set before or during a test): ``healthy``; ``gate`` (answer a generation 
 once this event is set); ``fail_first_n`` / ``error_status`` / ``error_body`` (checked after
 the gate); ``stream_gate`` (a streamed answer pauses after its first chunk until set);
 ``crash_mid_stream`` (drop the connection after the first chunk); ``coords`` (P's probe
-answer); ``pull_params`` (P's returned ``kv_transfer_params``).
+answer); ``pull_params`` (P's returned ``kv_transfer_params``); ``finish_reason`` of a
+whole answer (``return_token_ids`` adds ``PROMPT_IDS`` and ``[TOKEN_ID]``, and usage).
 Records: every generation request (``requests``, ``probes``) with its body, headers and a
 ``disconnected`` event, set when the router closed the request before the answer was done.
 Synchronisation is by events only: ``arrived``, ``first_chunk_sent``, ``wait_for(n)``.
@@ -25,6 +26,8 @@ from starlette.routing import Route
 
 from tests.unit.router.serving import within
 
+PROMPT_IDS = [11, 12, 13]
+TOKEN_ID = 7
 CHUNKS = [
     b'data: {"choices": [{"text": "hel"}]}\n\n',
     b'data: {"choices": [{"text": "lo"}]}\n\n',
@@ -63,6 +66,8 @@ class MockBackend:
         self.stream_gate: asyncio.Event | None = None
         self.crash_mid_stream = False
         self.chunks = list(CHUNKS)
+        self.finish_reason = "length"
+        self.token_ids = True  # honour return_token_ids
         self.requests: list[Seen] = []
         self.probes: list[Seen] = []
         self.responses: list[bytes] = []  # non-streamed bodies sent, byte for byte
@@ -148,8 +153,13 @@ class MockBackend:
             "id": f"cmpl-{self.name}-{len(self.requests)}",
             "object": "text_completion",
             "model": self.model,
-            "choices": [{"index": 0, "text": f"hello from {self.name}", "finish_reason": "length"}],
+            "choices": [
+                {"index": 0, "text": f"hello from {self.name}", "finish_reason": self.finish_reason}
+            ],
         }
+        if body.get("return_token_ids") and self.token_ids:
+            answer["choices"][0] |= {"prompt_token_ids": PROMPT_IDS, "token_ids": [TOKEN_ID]}
+            answer["usage"] = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
         if self.pull_params is not None:
             answer["kv_transfer_params"] = self.pull_params
         raw = json.dumps(answer).encode()
