@@ -23,12 +23,16 @@ from the previous boundary to its own, so the segments telescope to exactly end 
     -> request's first_chunk event        stream back
 
 With several P TP ranks the critical rank is the one whose ``write`` ends last; its own
-prefill / rendezvous / descriptor spans give the P boundaries. Router-only modes (``pull``,
-``vllm-push``) have only router spans: connection / router ingress / router overhead / prefill leg /
-decode leg to first byte / stream back. A trace without ``connect`` or ``ingress`` spans
-(written before the router stamped arrivals) has zero-length segments in their place. A
-request that never produced a first token ends at the request span's end; ``ttft_ns`` is
-then None and the segments sum to the time until it ended.
+prefill / rendezvous / descriptor spans give the P boundaries. First token from P
+(``pushkv.router.first_token`` = "prefill" on the request span): the client's first token is
+P's, so the path ends at P's answer: ... -> prefill.end (P prefill) -> prefill_leg.end (P's
+answer back to the router) -> first_chunk (stream back); the push and D's first step come
+after it and are marks. Router-only modes (``pull``, ``vllm-push``) have only router spans:
+connection / router ingress / router overhead / prefill leg / decode leg to first byte /
+stream back. A trace without ``connect`` or ``ingress`` spans (written before the router
+stamped arrivals) has zero-length segments in their place. A request that never produced a
+first token ends at the request span's end; ``ttft_ns`` is then None and the segments sum to
+the time until it ended.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Seg(str, Enum):
     NOTIFY = "notification to schedule (D)"
     D_STEP = "D first step"
     STREAM_BACK = "stream back"
+    P_ANSWER = "P answer to router"
     PREFILL_LEG = "prefill leg"
     DECODE_LEG = "decode leg to first byte"
     UNKNOWN = "unknown"
@@ -73,6 +78,15 @@ PUSH_SEGMENTS: tuple[Seg, ...] = (
     Seg.WRITE,
     Seg.NOTIFY,
     Seg.D_STEP,
+    Seg.STREAM_BACK,
+)
+FIRST_TOKEN_SEGMENTS: tuple[Seg, ...] = (
+    Seg.CONNECT,
+    Seg.INGRESS,
+    Seg.ROUTER,
+    Seg.P_QUEUE,
+    Seg.P_PREFILL,
+    Seg.P_ANSWER,
     Seg.STREAM_BACK,
 )
 ROUTER_SEGMENTS: tuple[Seg, ...] = (
@@ -242,6 +256,27 @@ def _push_boundaries(
     return bounds, marks, rank
 
 
+def _first_token_boundaries(
+    trace: Trace, anomalies: list[str]
+) -> tuple[list[Boundary], list[Mark], int | None]:
+    leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
+    prefills = trace.named(Span.PREFILL.value)
+    prefill = max(prefills, key=lambda sp: sp.end_ns) if prefills else None
+    rank = _rank(prefill) if prefill else None
+    bounds = [
+        Boundary("prefill_leg.start", _start(leg), leg, False),
+        Boundary("prefill.scheduled", _event(prefill, Event.SCHEDULED), prefill, False),
+        Boundary("prefill.end", _end(prefill), prefill),
+        Boundary("prefill_leg.end", _end(leg), leg),
+    ]
+    marks = [  # after the first token: the push and D's first step (token 2)
+        Mark(f"{name.value}.end", sp.end_ns)
+        for name in (Span.WRITE, Span.FIRST_TOKEN)
+        for sp in trace.named(name.value)[:1]
+    ]
+    return bounds, marks, rank
+
+
 def _router_boundaries(
     trace: Trace, anomalies: list[str]
 ) -> tuple[list[Boundary], list[Mark], None]:
@@ -260,6 +295,7 @@ def _router_boundaries(
 _Model = Callable[[Trace, list[str]], tuple[list[Boundary], list[Mark], int | None]]
 _MODELS: dict[str, tuple[tuple[Seg, ...], _Model]] = {
     "push": (PUSH_SEGMENTS, _push_boundaries),
+    "first_token": (FIRST_TOKEN_SEGMENTS, _first_token_boundaries),
     "router": (ROUTER_SEGMENTS, _router_boundaries),
 }
 
@@ -313,8 +349,12 @@ def _router_in(trace: Trace, name: Span, req: SpanRecord, anomalies: list[str]) 
 
 
 def model_for(mode: str, trace: Trace) -> str:
-    """Push mode (or no mode attribute, with P/D spans present) -> push; else router."""
+    """Push mode (or no mode attribute, with P/D spans present) -> push, or first_token when
+    the request's first token came from P; else router."""
     if mode == PUSH_MODE:
+        req = trace.first(Span.REQUEST.value)
+        if req is not None and req.attr(Attr.FIRST_TOKEN_FROM.value) == "prefill":
+            return "first_token"
         return "push"
     if mode == "unknown" and (trace.named(Span.WRITE.value) or trace.named(Span.PREFILL.value)):
         return "push"

@@ -383,12 +383,9 @@ class Dispatch:
             watch = PrefillWatch(None)
             decode = self._decode()
         elif self.config.mode is Mode.PULL:
-            try:
-                answer = await self._prefill()
-            except UpstreamError as err:
-                return await self._fail_early(send, err, Role.PREFILL)
-            finally:
-                self.p.release()
+            answer = await self._prefill_first(send)
+            if answer is None:
+                return
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict):
                 no_params = UpstreamError(
@@ -428,17 +425,26 @@ class Dispatch:
         else:
             await self._relay_whole(send, opened, watch)
 
+    async def _prefill_first(self, send: Send) -> dict[str, Any] | None:
+        """P's leg before D's (pull, first token from P): its answer, or None once its
+        failure has been answered (or left to the next attempt)."""
+        assert self.p is not None
+        try:
+            return await self._prefill()
+        except UpstreamError as err:
+            await self._fail_early(send, err, Role.PREFILL)
+            return None
+        finally:
+            self.p.release()
+
     async def _serve_first_token(self, send: Send) -> None:
         """P first; the client gets its token as soon as P answers, then D continues from it.
         P's blocks wait for D's registration as in either order of the push protocol."""
         assert self.p is not None
         p = self.p.backend
-        try:
-            answer = await self._prefill()
-        except UpstreamError as err:
-            return await self._fail_early(send, err, Role.PREFILL)
-        finally:
-            self.p.release()
+        answer = await self._prefill_first(send)
+        if answer is None:
+            return
         try:
             token = first_token.PrefillToken.read(answer)
         except RemoteProtocolError as exc:

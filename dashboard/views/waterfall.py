@@ -38,6 +38,7 @@ SEGMENT_COLORS = {
     Seg.NOTIFY: "#88d27a",
     Seg.D_STEP: "#54a24b",
     Seg.STREAM_BACK: "#4c78a8",
+    Seg.P_ANSWER: "#9d755d",
     Seg.PREFILL_LEG: "#f58518",
     Seg.DECODE_LEG: "#54a24b",
     Seg.UNKNOWN: "#c7c7c7",

@@ -203,6 +203,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "resumed run (--run-dir of this one)",
     )
     p.add_argument(
+        "--rerender",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="run nothing: recompute each point's TTFT decomposition from its traces (this "
+        "commit's critical-path model), then rewrite RUN_DIR's sweep.json, report and figures",
+    )
+    p.add_argument(
         "--run-dir",
         type=Path,
         default=None,
@@ -499,10 +507,30 @@ def _console(run_dir: Path, total: int) -> Iterator[tuple[Log, Callable[[str], N
         yield log, advance
 
 
+def _commit() -> str | None:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or None
+
+
+def rerender(run_dir: Path) -> int:
+    """``--rerender``: the points' decompositions again, from their traces, and the files
+    built from them; the run's metadata stays, with the commit that re-rendered it."""
+    data = json.loads((run_dir / sweep_points.SWEEP_FILE).read_text())
+    for path in sorted(run_dir.glob("*/in*-r*.json")):
+        folder = path.with_suffix("")
+        if path.name.endswith(".bench.json") or not folder.is_dir():
+            continue
+        record = json.loads(path.read_text())
+        record["decomposition"] = trace_slices.decomposition(folder)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    meta = {k: v for k, v in data.items() if k != "points"}
+    meta["rerendered_at"] = _commit()
+    _publish(run_dir, meta, print)
+    return 0
+
+
 def _meta(argv: Sequence[str], setup: Setup, configs: Sequence[str]) -> dict[str, Any]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = _commit()
     return {
         "kind": "sweep",
         "argv": ["pushkv", "bench", "--sweep", *argv],
@@ -523,6 +551,8 @@ def main(argv: Sequence[str]) -> int:
     """Run (or resume) a sweep; 0 when every point of every configuration completed all its
     requests."""
     args = parse_args(argv)
+    if args.rerender is not None:
+        return rerender(args.rerender.resolve())
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     plan = make_plan(args)
     configs = list(args.configs or (SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS))

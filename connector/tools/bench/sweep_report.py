@@ -127,7 +127,12 @@ def markdown(data: dict[str, Any]) -> str:
         f"{plan.get('lengths')}, rates {plan.get('rates')} req/s ({data.get('arrivals')}), "
         f"{plan.get('output_len')} output tokens, about {plan.get('point_s')} s of arrivals "
         f"per point; configurations {', '.join(configs)}. Figures: `sweep.html`, `sweep.png`; "
-        "each point's traces in `<config>/<point>/` (a run folder for `pushkv dashboard`).",
+        "each point's traces in `<config>/<point>/` (a run folder for `pushkv dashboard`)."
+        + (
+            f" Decompositions re-rendered at commit {data['rerendered_at']} (`--rerender`)."
+            if data.get("rerendered_at")
+            else ""
+        ),
         "",
         f"{len(points) - len(failed)} of {len(points)} points completed every request"
         + (

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.critical_path import PUSH_SEGMENTS, ROUTER_SEGMENTS, CriticalPath, Seg, critical_path
+from telemetry.critical_path import (
+    FIRST_TOKEN_SEGMENTS,
+    PUSH_SEGMENTS,
+    ROUTER_SEGMENTS,
+    CriticalPath,
+    Seg,
+    critical_path,
+)
 from telemetry.otlp_json import SpanEvent, SpanRecord, Trace
 from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
@@ -56,7 +63,8 @@ def test_segments_are_consecutive_and_sum_to_ttft(run_dir: Path, trace: Trace) -
         if Attr.TTFT_MS.value in req.attributes:  # the router's own figure agrees
             assert path.ttft_ns / 1e6 == pytest.approx(req.attributes[Attr.TTFT_MS.value], abs=1e-3)
     covered = [c for s in segs for c in s.covers]
-    assert covered == list(PUSH_SEGMENTS if path.model == "push" else ROUTER_SEGMENTS)
+    models = {"push": PUSH_SEGMENTS, "first_token": FIRST_TOKEN_SEGMENTS}
+    assert covered == list(models.get(path.model, ROUTER_SEGMENTS))
     negatives = [s for s in segs if s.negative]
     assert len(negatives) == sum("negative gap" in a for a in path.anomalies)
 
@@ -192,6 +200,26 @@ def test_out_of_order_boundary_is_flagged_not_dropped() -> None:
     assert sum(s.duration_ns for s in path.segments) == path.ttft_ns
 
 
+def test_first_token_from_p_ends_at_ps_answer() -> None:
+    """The client's first token is P's: P queue and prefill, P's answer to the router, the
+    stream back; the push and D's first step (token 2) come after it, as marks."""
+    t = _ok_push_trace()
+    req, leg = t.first(Span.REQUEST.value), t.first(Span.PREFILL_LEG.value)
+    assert req is not None and leg is not None
+    chunk = leg.end_ns + 300_000  # the router streams P's token 0.3 ms after P's answer
+    events = tuple(
+        SpanEvent(e.name, chunk, e.attributes) if e.name == Event.FIRST_CHUNK.value else e
+        for e in req.events
+    )
+    attrs = {**req.attributes, Attr.FIRST_TOKEN_FROM.value: "prefill"}
+    path = _path(_replace(t, Span.REQUEST, attributes=attrs, events=events))
+    assert path.model == "first_token" and not path.anomalies
+    assert [s.name for s in path.segments] == list(FIRST_TOKEN_SEGMENTS)
+    answer = next(s for s in path.segments if s.name is Seg.P_ANSWER)
+    assert answer.end_ns == leg.end_ns and path.segments[-1].duration_ns == 300_000
+    assert {m.label for m in path.marks} >= {"pushkv.write.end", "pushkv.first_token.end"}
+
+
 def test_trace_without_request_span_has_no_path() -> None:
     assert critical_path(_without(_ok_push_trace(), Span.REQUEST)) is None
 
@@ -248,6 +276,8 @@ def test_request_without_any_child_is_one_unknown_segment() -> None:
 # the tree of telemetry/schema.py: a span's parent (P's transfer spans hang under the decode
 # leg, or under P's leg when no registration carried D's context)
 PARENTS = {
+    Span.CONNECT: {Span.REQUEST},
+    Span.INGRESS: {Span.REQUEST},
     Span.ROUTE: {Span.REQUEST},
     Span.PREFILL_LEG: {Span.REQUEST},
     Span.DECODE_LEG: {Span.REQUEST},

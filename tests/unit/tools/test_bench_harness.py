@@ -179,6 +179,13 @@ def test_sealed_config_shares_a_secret_file_never_an_argv(tmp_path: Path) -> Non
     assert "--auth-secret-file" not in plain.router.command()
 
 
+def test_first_token_config_reaches_the_router(tmp_path: Path) -> None:
+    router = make_stack(CONFIGS["push-ft"], tmp_path / "model", tmp_path).router.command()
+    assert router[router.index("--first-token") + 1] == "prefill"
+    plain = make_stack(CONFIGS["push"], tmp_path / "model", tmp_path / "plain")
+    assert "--first-token" not in plain.router.command()
+
+
 def test_nometrics_config_turns_the_connectors_metrics_off(tmp_path: Path) -> None:
     stack = make_stack(CONFIGS["push-nometrics"], tmp_path / "model", tmp_path)
     for server in (stack.prefill, stack.decode):

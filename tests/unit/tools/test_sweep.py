@@ -152,6 +152,29 @@ def test_decomposition_takes_each_segments_median_over_a_points_requests(tmp_pat
     assert trace_slices.decomposition(tmp_path / "nothing-here") == {}
 
 
+def test_rerender_recomputes_decompositions_from_the_points_traces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep run before a change of the critical-path model gets the new one's
+    decompositions (and report) without running a point again."""
+    monkeypatch.setattr(plots, "write_figures", lambda run_dir, data: [])  # tested below
+    plan = SweepPlan((128,), (1.0,), point_s=1.0, min_prompts=4)
+    (point,) = plan.points()
+    sweep_points.write_point(
+        tmp_path, sweep_points.point_record("push-ft", point, plan, _bench(4, 70.0))
+    )
+    shutil.copytree(FIXTURES / "real-push-ft", tmp_path / "push-ft" / point.name)
+    meta = {"argv": ["pushkv", "bench", "--sweep"], "git_commit": "abc", "configs": ["push-ft"]}
+    sweep_points.write_sweep(tmp_path, meta, [])
+    assert sweep.main(["--rerender", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    (rec,) = data["points"]
+    assert rec["decomposition"]["requests"] == 6
+    assert Seg.P_ANSWER.value in rec["decomposition"]["segments_ms"]
+    assert data["git_commit"] == "abc" and data["rerendered_at"]
+    assert "re-rendered at commit" in (tmp_path / "report.md").read_text()
+
+
 def _records() -> list[dict[str, Any]]:
     plan = SweepPlan((128, 512), (1.0, 2.0), point_s=1.0, min_prompts=4)
     out = []
