@@ -6,7 +6,7 @@ still run one forward before it has a token to stream).
 
 Owns: ``blocker`` (why a request cannot be served so: it then runs as in ``decode`` mode),
 ``PrefillToken`` (P's answer, read strictly), ``first_event`` (the client's first SSE event),
-``continuation_body`` (D's leg) and ``UsageShift`` (D's usage counted as the client's).
+``continuation_body`` (D's leg) and ``count_token_as_output`` (D's usage as the client's).
 
 Pure: no I/O. docs/operations.md ("First token from P") says when to use it.
 """
@@ -125,17 +125,23 @@ class PrefillToken:
         return cls(answer, prompt_ids, token_id, stopped=reason == "stop")
 
 
+def _sse(obj: JsonObj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(answer: JsonObj, **fields: Any) -> JsonObj:
+    """A stream chunk of P's completion (same id: both legs carry the request's
+    X-Request-Id, from which vLLM names the completion)."""
+    keys = ("id", "created", "model")
+    return {"object": "text_completion", **{k: answer.get(k) for k in keys}, **fields}
+
+
 def first_event(token: PrefillToken) -> bytes:
-    """The client's first SSE event, as vLLM would stream P's token (same id: both legs
-    carry the request's X-Request-Id, from which vLLM names the completion)."""
-    a = token.answer
-    choice = a["choices"][0]
-    event = {
-        "id": a.get("id"),
-        "object": "text_completion",
-        "created": a.get("created"),
-        "model": a.get("model"),
-        "choices": [
+    """The client's first SSE event, as vLLM would stream P's token."""
+    choice = token.answer["choices"][0]
+    event = _chunk(
+        token.answer,
+        choices=[
             {
                 "index": 0,
                 "text": choice.get("text", ""),
@@ -144,8 +150,8 @@ def first_event(token: PrefillToken) -> bytes:
                 "stop_reason": choice.get("stop_reason") if token.stopped else None,
             }
         ],
-    }
-    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+    )
+    return _sse(event)
 
 
 def final_events(token: PrefillToken, body: JsonObj) -> bytes:
@@ -153,10 +159,7 @@ def final_events(token: PrefillToken, body: JsonObj) -> bytes:
     out = b""
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") and "usage" in token.answer:
-        a = token.answer
-        usage = {"id": a.get("id"), "object": "text_completion", "created": a.get("created")}
-        usage |= {"model": a.get("model"), "choices": [], "usage": a["usage"]}
-        out += b"data: " + json.dumps(usage, separators=(",", ":")).encode() + b"\n\n"
+        out = _sse(_chunk(token.answer, choices=[], usage=token.answer["usage"]))
     return out + b"data: [DONE]\n\n"
 
 
@@ -174,26 +177,25 @@ def continuation_body(decode_leg: JsonObj, token: PrefillToken) -> JsonObj:
     return out
 
 
-class UsageShift:
-    """D counts P's token as a prompt token; the client's usage counts it as output. Applied
-    to whole SSE events: only the usage event (one per stream) is rewritten."""
+_USAGE: Final = b'"usage":{'
 
-    MARK: Final = b'"usage":{'
 
-    def apply(self, events: bytes) -> bytes:
-        if self.MARK not in events:
-            return events
-        return b"\n\n".join(self._shift(e) for e in events.split(b"\n\n"))
+def count_token_as_output(events: bytes) -> bytes:
+    """D counts P's token as a prompt token; the client's usage counts it as output. Takes
+    whole SSE events: only the usage event (one per stream) is rewritten."""
+    if _USAGE not in events:
+        return events
+    return b"\n\n".join(_shift_usage(e) for e in events.split(b"\n\n"))
 
-    @staticmethod
-    def _shift(event: bytes) -> bytes:
-        if not event.startswith(b"data: {") or UsageShift.MARK not in event:
-            return event
-        try:
-            obj = json.loads(event[6:])
-            usage = obj["usage"]
-            usage["prompt_tokens"] -= 1
-            usage["completion_tokens"] += 1
-        except (ValueError, KeyError, TypeError):
-            return event  # not vLLM's usage event: passed on as it came
-        return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+
+def _shift_usage(event: bytes) -> bytes:
+    if not event.startswith(b"data: {") or _USAGE not in event:
+        return event
+    try:
+        obj = json.loads(event[6:])
+        usage = obj["usage"]
+        usage["prompt_tokens"] -= 1
+        usage["completion_tokens"] += 1
+    except (ValueError, KeyError, TypeError):
+        return event  # not vLLM's usage event: passed on as it came
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode()

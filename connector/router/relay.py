@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -469,8 +469,9 @@ class Dispatch:
             self._d_error = err.message
             return await _send_body(send, err.sse())
         self._d_resp = resp
-        shift = first_token.UsageShift()
-        await self._relay_stream(send, resp, PrefillWatch(None), started=True, shift=shift)
+        await self._relay_stream(
+            send, resp, PrefillWatch(None), started=True, rewrite=first_token.count_token_as_output
+        )
 
     def _response_start(self, resp: Stream) -> dict[str, Any]:
         return _start(resp.status_code, resp.content_type or "application/json", self.request_id)
@@ -497,11 +498,11 @@ class Dispatch:
         watch: PrefillWatch,
         *,
         started: bool = False,
-        shift: first_token.UsageShift | None = None,
+        rewrite: Callable[[bytes], bytes] | None = None,
     ) -> None:
         # The client's answer starts with D's first chunk, not D's headers: until then a
         # failure of either leg is still a plain error answer, or another attempt.
-        # ``started``: it already has (P's token was sent).
+        # ``started``: it already has (P's token was sent). ``rewrite``: applied to whole events.
         stamp = TraceStamp(self.trace.trace_id)
         tail = b"\n\n"
 
@@ -509,8 +510,8 @@ class Dispatch:
             nonlocal started, tail
             if not data:
                 return
-            if shift is not None:
-                data = shift.apply(data)
+            if rewrite is not None:
+                data = rewrite(data)
             if not started:
                 started = True
                 await send(self._response_start(resp))

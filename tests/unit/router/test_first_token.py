@@ -123,7 +123,7 @@ def test_usage_counts_ps_token_as_output() -> None:
         b'data: {"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":7,"total_tokens":11}}'
     )
     other = b'data: {"choices":[{"text":"x"}]}'
-    out = ft.UsageShift().apply(other + b"\n\n" + usage + b"\n\n")
+    out = ft.count_token_as_output(other + b"\n\n" + usage + b"\n\n")
     first, second = out.split(b"\n\n")[:2]
     assert first == other
     assert json.loads(second[6:])["usage"] == {
@@ -132,7 +132,7 @@ def test_usage_counts_ps_token_as_output() -> None:
         "total_tokens": 11,
     }
     broken = b'data: {"usage":{"prompt_tokens":"?"}}\n\n'
-    assert ft.UsageShift().apply(broken) == broken
+    assert ft.count_token_as_output(broken) == broken
 
 
 def test_config_needs_push_mode() -> None:
