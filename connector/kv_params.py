@@ -36,6 +36,9 @@ class PrefillLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     transfer_id: TransferId
     traceparent: Traceparent | None = None
     tracestate: Tracestate = ""
+    # The router sends no D leg when P's token ends the request (first token from P): a
+    # stop (EOS, a stop token) frees P's blocks at once instead of at the lease's end.
+    release_on_stop: bool = False
 
     def trace(self) -> TraceContext | None:
         return TraceContext(self.traceparent, self.tracestate) if self.traceparent else None

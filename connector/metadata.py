@@ -60,6 +60,9 @@ class StepPlan:
     # P: transfers whose request vLLM preempted after the push began; its blocks are free
     # again, so this step's forward must wait until no WRITE reads them.
     reclaimed: list[str] = field(default_factory=list)
+    # P: transfers whose request stopped at its first token with no D to follow
+    # (``release_on_stop``): reclaimed the same way; one still waiting ends "not needed".
+    stopped: list[str] = field(default_factory=list)
     # D: requests whose load failed here, before anything was registered (a hook of ours
     # raised): every worker reports them received and failed at once.
     failed_loads: list[str] = field(default_factory=list)
@@ -72,6 +75,7 @@ class StepPlan:
             or self.registrations
             or self.aborts
             or self.reclaimed
+            or self.stopped
             or self.failed_loads
         )
 

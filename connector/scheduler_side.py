@@ -288,8 +288,13 @@ class SchedulerSide:
         out = None
         if rec.prefill is not None:
             out = {"pushkv": self.coordinates(), "transfer_id": rec.prefill.transfer_id}
-        move = self._next(rid, rec, lc.RequestFinished(rid))
-        if move.effect is Effect.STAGE_PREFILL_ABORT:  # aborted or failed before the prompt ran
+        stopped = rec.prefill is not None and rec.prefill.release_on_stop and _stopped(request)
+        event = lc.PrefillStopped(rid) if stopped else lc.RequestFinished(rid)
+        move = self._next(rid, rec, event)
+        if move.effect is Effect.RECLAIM:  # stopped: no D leg follows, vLLM frees the blocks
+            assert rec.prefill is not None
+            self._step.stopped.append(rec.prefill.transfer_id)
+        elif move.effect is Effect.STAGE_PREFILL_ABORT:  # aborted or failed before the prompt ran
             assert rec.prefill is not None
             self._step.aborts.append(
                 StagedAbort(rec.prefill.transfer_id, rid, "prefill_aborted", None)
@@ -462,6 +467,11 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return not self._step.empty() or any(r.state.push_pending for r in self._reqs.values())
+
+
+def _stopped(request: Any) -> bool:
+    """vLLM's RequestStatus.FINISHED_STOPPED: EOS or a stop token ended the request."""
+    return getattr(getattr(request, "status", None), "name", None) == "FINISHED_STOPPED"
 
 
 def _wall_ns(seconds: float | None) -> int:

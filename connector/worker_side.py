@@ -20,7 +20,7 @@ from connector.config import PushkvConfig, load_secret
 from connector.core import events as ev
 from connector.core.errors import LayoutError
 from connector.core.heads import head_range
-from connector.core.messages import PeerAddr
+from connector.core.messages import FailReason, PeerAddr
 from connector.kv_params import agent_name
 from connector.kv_tensors import block_row_views, describe_kv_caches
 from connector.metadata import Handshake, StagedAbort, StepPlan
@@ -228,12 +228,17 @@ class WorkerSide:
 
     def before_forward(self, plan: StepPlan) -> None:
         """vLLM's handle_preemptions: runs before this step's forward may reuse blocks."""
-        if plan.reclaimed and self.thread is not None:
-            if not self.thread.reclaim(plan.reclaimed, timeout_s=self.cfg.write_timeout_s):
+        if self.thread is None:
+            return
+        for ids, reason in (
+            (plan.reclaimed, FailReason.PREFILL_ABORTED),
+            (plan.stopped, FailReason.NOT_NEEDED),
+        ):
+            if ids and not self.thread.reclaim(ids, self.cfg.write_timeout_s, reason):
                 logger.error(
-                    "WRITEs of preempted transfers %s still running after %.0fs; "
+                    "WRITEs of reclaimed transfers %s still running after %.0fs; "
                     "this forward may overwrite blocks they read",
-                    plan.reclaimed,
+                    ids,
                     self.cfg.write_timeout_s,
                 )
 

@@ -43,10 +43,12 @@ class PrefillAborted:
 
 @dataclass(frozen=True)
 class SourceReclaimed:
-    """vLLM took P's source blocks back (the request was preempted after its push began).
-    Nothing may be written from them any more; D must not use what it gets."""
+    """vLLM took P's source blocks back (the request was preempted after its push began,
+    or it stopped with no D to follow). Nothing may be written from them any more; D must
+    not use what it gets. ``reason``: how a transfer still waiting for D ends."""
 
     transfer_id: str
+    reason: FailReason = FailReason.PREFILL_ABORTED
 
 
 @dataclass(frozen=True)

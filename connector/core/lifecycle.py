@@ -110,6 +110,15 @@ class RequestFinished:
 
 
 @dataclass(frozen=True)
+class PrefillStopped:
+    """P: vLLM finished the request with a stop (EOS, a stop token) and its leg says no D
+    leg follows then (``release_on_stop``: the router streams P's token and ends the
+    request). Its blocks are not held for a registration that will not come."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class PushReported:
     """P: every worker reported the request in finished_sending."""
 
@@ -151,6 +160,7 @@ ReqEvent = (
     | PrefillScheduled
     | Preempted
     | RequestFinished
+    | PrefillStopped
     | PushReported
     | RecvReported
     | HookFailed
@@ -165,7 +175,7 @@ class Effect(enum.Enum):
     STAGE_REGISTRATION = "stage_registration"  # D: register the blocks with P this step
     STAGE_NOT_NEEDED = "stage_not_needed"  # D: tell P to free its blocks at once
     STAGE_PREFILL = "stage_prefill"  # P: push right after this step's forward
-    RECLAIM = "reclaim"  # P: vLLM took the blocks back while a WRITE may read them
+    RECLAIM = "reclaim"  # P: vLLM takes the blocks back while a WRITE may read them
     DELAY_FREE = "delay_free"  # P: request_finished keeps the blocks for the push
     STAGE_PREFILL_ABORT = "stage_prefill_abort"  # P: the prompt never ran; D must not wait
     STAGE_ABORT = "stage_abort"  # D: stop waiting; vLLM holds the blocks until reported
@@ -202,23 +212,30 @@ LIFECYCLE: dict[tuple[ReqState, type[ReqEvent]], Transition] = {
     (_S.PREFILLING, PrefillScheduled): Transition(_S.PUSHING, Effect.STAGE_PREFILL),
     (_S.PREFILLING, Preempted): IGNORE,  # nothing staged yet: recomputed, pushed later
     (_S.PREFILLING, RequestFinished): Transition(_S.RELEASED, Effect.STAGE_PREFILL_ABORT),
+    (_S.PREFILLING, PrefillStopped): Transition(_S.RELEASED, Effect.STAGE_PREFILL_ABORT),
     # P: the push is staged and the request still runs (its decode steps).
     (_S.PUSHING, PrefillScheduled): IGNORE,
     (_S.PUSHING, Preempted): Transition(_S.SPENT, Effect.RECLAIM),
     (_S.PUSHING, RequestFinished): Transition(_S.HANDED_OVER, Effect.DELAY_FREE),
+    # No D will register: vLLM frees the blocks now, the next forward waits for any WRITE
+    # that still reads them, and P's transfer ends "not needed".
+    (_S.PUSHING, PrefillStopped): Transition(_S.RELEASED, Effect.RECLAIM),
     # Held back: vLLM may only free finished requests.
     (_S.PUSHING, PushReported): Transition(_S.PUSHED_EARLY),
     (_S.PUSHED_EARLY, PrefillScheduled): IGNORE,
     (_S.PUSHED_EARLY, Preempted): Transition(_S.SPENT),  # no WRITE reads the blocks any more
     (_S.PUSHED_EARLY, RequestFinished): Transition(_S.RELEASED),  # vLLM frees the blocks now
+    (_S.PUSHED_EARLY, PrefillStopped): Transition(_S.RELEASED),
     # P: the request finished; its blocks are ours until the push ends.
     (_S.HANDED_OVER, PushReported): Transition(_S.RELEASED, Effect.FREE_BLOCKS),
     (_S.HANDED_OVER, RequestFinished): Transition(_S.RELEASED),  # a repeat: let vLLM free
+    (_S.HANDED_OVER, PrefillStopped): Transition(_S.RELEASED),
     # P: preempted after the push began; recomputed, never pushed again.
     (_S.SPENT, PrefillScheduled): IGNORE,
     (_S.SPENT, Preempted): IGNORE,
     (_S.SPENT, PushReported): IGNORE,  # the reclaimed push's end: vLLM owns the blocks
     (_S.SPENT, RequestFinished): Transition(_S.RELEASED),
+    (_S.SPENT, PrefillStopped): Transition(_S.RELEASED),
     # D: waiting for blocks.
     (_S.AWAITING_ALLOC, BlocksAllocated): Transition(_S.RECEIVING, Effect.STAGE_REGISTRATION),
     (_S.AWAITING_ALLOC, PromptCached): Transition(_S.DONE, Effect.STAGE_NOT_NEEDED),

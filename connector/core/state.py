@@ -228,7 +228,7 @@ def _s_prefilled_reclaimed(
 ) -> list[ev.SendAction]:
     # vLLM freed the blocks itself: nothing is owed back, and D must not wait for us.
     rec.blocks_held = False
-    return _end(rec, SendState.FAILED, ctx, FailReason.PREFILL_ABORTED)
+    return _end(rec, SendState.FAILED, ctx, e.reason)
 
 
 def _s_writing_reclaimed(

@@ -136,12 +136,17 @@ def prefill_body(
     if endpoint is Endpoint.CHAT and "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    # vLLM rejects stream_options without stream, and min_tokens above max_tokens.
+    # vLLM rejects stream_options without stream, and min_tokens above max_tokens; P's
+    # token is the client's with ``token_ids``, so EOS stays masked as min_tokens says.
     out.pop("stream_options", None)
-    out.pop("min_tokens", None)
+    min_tokens = out.pop("min_tokens", None)
+    if token_ids and isinstance(min_tokens, int) and min_tokens > 0:
+        out["min_tokens"] = 1
     params: JsonObj = {"do_remote_decode": True, "do_remote_prefill": False}
     if mode is Mode.PUSH:
         params.update(transfer_id=transfer_id, traceparent=traceparent)
+        if token_ids:  # no D leg follows a token that ends the request
+            params["release_on_stop"] = True
     out["kv_transfer_params"] = params
     return out
 

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 class _Reclaim:
     transfer_ids: list[str]
     done: threading.Event
+    reason: m.FailReason
 
 
 def _name_os_thread(name: str) -> None:
@@ -156,12 +157,18 @@ class TransferThread:
         self._inbox.put((event, ready, note))
         self._wake.wake()
 
-    def reclaim(self, transfer_ids: list[str], timeout_s: float) -> bool:
+    def reclaim(
+        self,
+        transfer_ids: list[str],
+        timeout_s: float,
+        reason: m.FailReason = m.FailReason.PREFILL_ABORTED,
+    ) -> bool:
         """P: vLLM took these transfers' source blocks back. Block until no WRITE reads
         them (so the caller's next forward cannot overwrite what a WRITE still reads);
-        False if that took longer than ``timeout_s``."""
+        False if that took longer than ``timeout_s``. ``reason``: how a transfer still
+        waiting for D ends."""
         done = threading.Event()
-        self._inbox.put((_Reclaim(list(transfer_ids), done), None, None))
+        self._inbox.put((_Reclaim(list(transfer_ids), done, reason), None, None))
         self._wake.wake()
         return done.wait(timeout_s)
 
@@ -339,7 +346,10 @@ class TransferThread:
                 event.done.set()
                 return
             for tid in event.transfer_ids:
-                self.sender.on_event(ev.SourceReclaimed(tid), now)
+                self.sender.on_event(ev.SourceReclaimed(tid, event.reason), now)
+            if self.metrics is not None:  # a transfer may have ended with no result to
+                # report, and the engine's step that waits on this may be its last for a while
+                self.metrics.publish(self, self._clock(), force=True)
             self._quiesce.append((event.transfer_ids, event.done))
             return
         try:

@@ -26,6 +26,7 @@ import pytest
 
 from connector.tools.pdstack import metric_sum
 from connector.tools.stack import free_port
+from telemetry.schema import Metric
 from tests.budget import BOUNDS, Budget, RecordProperty, cpu_share
 
 if TYPE_CHECKING:
@@ -429,9 +430,10 @@ def test_first_token_from_prefill_equals_single_instance(pd: Pd) -> None:
         with httpx.Client(base_url=router.url, timeout=120.0, trust_env=False) as client:
             for n, prompt in prompts.items():
                 got[n] = stream_with_logprobs(client, greedy_body(prompt))
+            after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + sum(lengths))
+            _first_token_that_stops_frees_p(pd, client)
     finally:
         router.stop()
-    after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + sum(lengths))
     delta = {k: after[k] - before[k] for k in after}
     # D's prompt is the prompt plus P's token: the prompt's KV came from P, the token is D's.
     assert delta["external_kv_transfer"] == sum(lengths), (delta, stack.run_dir)
@@ -443,3 +445,37 @@ def test_first_token_from_prefill_equals_single_instance(pd: Pd) -> None:
         assert (text, tokens) == (ref_text, ref_tokens), f"{n}-token prompt"
         worst = max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True))
         assert worst <= FIRST_LOGPROB_TOL, f"{n}-token prompt: logprobs {lps} vs {ref_lps}"
+
+
+def _p_not_needed(pd: Pd) -> tuple[float, float]:
+    """P's transfers ended "not needed" and its finished prefills waiting for a D."""
+    text = pd.prefill.get("/metrics").text
+    ended = metric_sum(text, Metric.TRANSFERS.value, side="send", reason="not_needed") or 0.0
+    return ended, metric_sum(text, Metric.PREFILLS_WAITING.value) or 0.0
+
+
+def _first_token_that_stops_frees_p(pd: Pd, client: httpx.Client) -> None:
+    """P's token ends the request (here a stop token): the client gets it with
+    finish_reason "stop", no D leg is sent, and P frees the blocks at once (its leg says
+    ``release_on_stop``) instead of holding them for the lease (30 s)."""
+    prompt = random_prompt(64, seed=77)
+    d_before = sum(source_tokens(pd.decode).values())
+    body = greedy_body(prompt, max_tokens=1, return_token_ids=True)
+    first = post_ok(pd.decode, "/v1/completions", body)["choices"][0]["token_ids"][0]
+    deadline = time.monotonic() + METRIC_SETTLE_S
+    while (d_seen := source_tokens(pd.decode)) and sum(d_seen.values()) < d_before + len(prompt):
+        assert time.monotonic() < deadline, f"D's prompt tokens by source: {d_seen}"
+        time.sleep(0.1)
+    ended_before, _ = _p_not_needed(pd)
+    text, tokens, _, usage = stream_with_logprobs(
+        client, greedy_body(prompt, stop_token_ids=[first])
+    )
+    assert usage["completion_tokens"] == 1 and len(tokens) <= 1, (text, tokens, usage)
+    deadline = time.monotonic() + METRIC_SETTLE_S
+    while (now := _p_not_needed(pd)) != (ended_before + 1, 0.0):
+        assert time.monotonic() < deadline, (
+            f"P still holds the stopped request's prefill after {METRIC_SETTLE_S} s "
+            f"(transfers ended not_needed, prefills waiting: {now}; before {ended_before})"
+        )
+        time.sleep(0.1)
+    assert source_tokens(pd.decode) == d_seen, "a D leg was sent for a finished request"

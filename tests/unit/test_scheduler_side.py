@@ -117,6 +117,34 @@ def test_a_push_done_before_request_finished_is_held_back() -> None:
     assert s.request_finished(req, ([1],))[0] is False  # nothing left in flight: free now
 
 
+@dataclass(frozen=True)
+class Status:
+    name: str  # vLLM's RequestStatus member
+
+
+@pytest.mark.parametrize("release_on_stop", [True, False])
+@pytest.mark.parametrize("status", ["FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"])
+def test_a_stopped_first_token_frees_p_at_once_only_when_its_leg_says_so(
+    release_on_stop: bool, status: str
+) -> None:
+    """First token from P: a token that ends the request gets no D leg, so a leg with
+    ``release_on_stop`` lets vLLM free the blocks now; the next step's forward waits until
+    no WRITE reads them (stopped, as reclaimed). Any other end, or no flag, holds them."""
+    s, m = producer()
+    params = {"do_remote_decode": True, "transfer_id": "t1", "release_on_stop": release_on_stop}
+    req = Req("r1", params)
+    s.on_new_request(req)
+    m.ids["r1"] = ([1, 2],)
+    s.build_connector_meta(SchedOut({"r1": 300}))
+    req.status = Status(status)  # type: ignore[attr-defined]
+    delay, out = s.request_finished(req, ([1, 2],))
+    freed_now = release_on_stop and status == "FINISHED_STOPPED"
+    assert delay is not freed_now and out is not None and out["transfer_id"] == "t1"
+    plan = s.build_connector_meta(SchedOut({}))
+    assert plan.stopped == (["t1"] if freed_now else []) and plan.reclaimed == []
+    assert s.has_pending_push_work() is not freed_now
+
+
 def test_prefill_aborted_before_its_prompt_completed_tells_the_worker() -> None:
     s, _ = producer()
     req = Req("r1", {"do_remote_decode": True, "transfer_id": "t1"})

@@ -88,6 +88,13 @@ CONFIGS: dict[str, BenchConfig] = {
             description="pushkv PushConnector, tracing off (OTEL_SDK_DISABLED)",
             tracing=False,
         ),
+        BenchConfig(
+            "push-ft-notrace",
+            "PushConnector",
+            description="pushkv PushConnector, first token from P, tracing off (OTEL_SDK_DISABLED)",
+            tracing=False,
+            router_args=("--first-token", "prefill"),
+        ),
         # The cost of authentication: every P/D message sealed, every D leg signed.
         BenchConfig(
             "push-sealed",

@@ -13,6 +13,9 @@ point not done yet (``connector.tools.bench.sweep_points.is_done``: a resumed sw
 it) as one ``vllm bench serve --request-rate R`` run (Poisson arrivals, vLLM's default
 burstiness of 1), cut that point's traces out and decompose its TTFT
 (``connector.tools.bench.trace_slices``), write its results file, and go on; stop the stack.
+``--interleave`` starts every stack at once and runs each point on all of them back to back
+(A/B runs: the box drifts by 30 % within minutes, so a config-major order cannot resolve a
+few %).
 
 Bounded in time: each point by ``SweepPlan.limit_s`` and the whole sweep by ``--max-minutes``
 (a point that would not fit is left for a resumed run, never cut short). A configuration that
@@ -196,6 +199,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every configuration's stack at once and run each point on all of them "
+        "back to back (the order reversed at every other point), so configurations are "
+        "compared minutes apart at most: for A/B runs of small differences",
+    )
+    p.add_argument(
         "--max-minutes",
         type=float,
         default=30.0,
@@ -210,6 +220,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="run nothing: recompute each point's TTFT decomposition from its traces (this "
         "commit's critical-path model), then rewrite RUN_DIR's sweep.json, report and figures",
     )
+    p.add_argument(
+        "--rounds",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RUN_DIR",
+        help="run nothing: read these sweeps (same plan) as rounds and print, per point, "
+        "each configuration's median and range over them and each traced configuration "
+        "against its -notrace twin paired per round (to --rounds-out too)",
+    )
+    p.add_argument("--rounds-out", type=Path, default=None, metavar="FILE")
     p.add_argument(
         "--run-dir",
         type=Path,
@@ -426,12 +447,12 @@ def estimate_minutes(plan: SweepPlan, configs: Sequence[str]) -> float:
     return len(configs) * per_stack / 60.0
 
 
-def run_config(
+def _ready(
     name: str, setup: Setup, todo: list[Point], log: Log, advance: Callable[[str], None]
-) -> None:
-    """Start ``name``'s stack, warm up, run ``todo`` while time is left, stop."""
+) -> SweepStack | None:
+    """``name``'s stack started and warmed up; None (its points recorded as failed, with
+    the reason) if it did not start."""
     cfg_dir = setup.run_dir / name
-    plan = setup.plan
     try:
         stack = _start(name, setup, cfg_dir, log)
     except ServerError as exc:
@@ -439,35 +460,92 @@ def run_config(
         log(f"[{name}] FAILED: {reason}")
         for point in todo:
             sweep_points.write_point(
-                setup.run_dir, sweep_points.point_record(name, point, plan, None, reason)
+                setup.run_dir, sweep_points.point_record(name, point, setup.plan, None, reason)
             )
             advance(f"{name} {point.name} failed")
-        return
+        return None
     try:
         if setup.warmup and (failure := _warm_up(setup, stack, cfg_dir)) is not None:
             log(f"[{name}] warm-up failed: {failure.reason}")
         trace_slices.wait_quiet(cfg_dir)  # the warm-up's spans stay out of the first point
-        for index, point in enumerate(todo):
-            left = setup.deadline - _now()
-            if left < _expected_s(plan, point):
-                log(f"[{name}] out of time: {len(todo) - index} point(s) left for a resumed run")
-                return
-            record, failure = run_point(name, setup, stack, point, min(plan.limit_s(point), left))
-            m, dec = record["metrics"], record["decomposition"]
-            log(
-                f"[{name}] {point.name}: {record['completed']}/{record['num_prompts']} ok, "
-                f"TTFT p50 {m.get('median_ttft_ms', float('nan')):.1f} ms "
-                f"p90 {m.get('p90_ttft_ms', float('nan')):.1f} ms, "
-                f"TPOT {m.get('mean_tpot_ms', float('nan')):.2f} ms"
-                + (f", {dec['requests']} traced" if dec else "")
-                + (f" FAILED: {record['reason']}" if not record["ok"] else "")
-            )
-            advance(f"{name} {point.name}")
-            if failure is not None and failure.hung:
-                log(f"[{name}] {point.name} hung: the stack's other points are left")
+    except BaseException:
+        _stop(name, stack, log)
+        raise
+    return stack
+
+
+def _point(
+    name: str,
+    setup: Setup,
+    stack: SweepStack,
+    point: Point,
+    log: Log,
+    advance: Callable[[str], None],
+) -> bool:
+    """Run one point if it fits before the deadline and log it. False: the stack is done
+    (out of time, or the point hung)."""
+    plan = setup.plan
+    left = setup.deadline - _now()
+    if left < _expected_s(plan, point):
+        log(f"[{name}] out of time at {point.name}: what is left is for a resumed run")
+        return False
+    record, failure = run_point(name, setup, stack, point, min(plan.limit_s(point), left))
+    m, dec = record["metrics"], record["decomposition"]
+    log(
+        f"[{name}] {point.name}: {record['completed']}/{record['num_prompts']} ok, "
+        f"TTFT p50 {m.get('median_ttft_ms', float('nan')):.1f} ms "
+        f"p90 {m.get('p90_ttft_ms', float('nan')):.1f} ms, "
+        f"TPOT {m.get('mean_tpot_ms', float('nan')):.2f} ms"
+        + (f", {dec['requests']} traced" if dec else "")
+        + (f" FAILED: {record['reason']}" if not record["ok"] else "")
+    )
+    advance(f"{name} {point.name}")
+    if failure is not None and failure.hung:
+        log(f"[{name}] {point.name} hung: the stack's other points are left")
+        return False
+    return True
+
+
+def run_config(
+    name: str, setup: Setup, todo: list[Point], log: Log, advance: Callable[[str], None]
+) -> None:
+    """Start ``name``'s stack, warm up, run ``todo`` while time is left, stop."""
+    stack = _ready(name, setup, todo, log, advance)
+    if stack is None:
+        return
+    try:
+        for point in todo:
+            if not _point(name, setup, stack, point, log, advance):
                 return
     finally:
         _stop(name, stack, log)
+
+
+def run_interleaved(
+    configs: Sequence[str],
+    setup: Setup,
+    todo: dict[str, list[Point]],
+    log: Log,
+    advance: Callable[[str], None],
+) -> None:
+    """``--interleave``: every stack up at once (pinned alike, so an idle one costs the
+    other only its idle share), each point on all of them back to back, the order reversed
+    at every other point so that neither configuration always runs first."""
+    stacks: dict[str, SweepStack] = {}
+    try:
+        for name in configs:
+            if todo[name] and (stack := _ready(name, setup, todo[name], log, advance)):
+                stacks[name] = stack
+        points = sorted({p for name in stacks for p in todo[name]}, key=setup.plan.points().index)
+        for index, point in enumerate(points):
+            order = list(stacks) if index % 2 == 0 else list(reversed(stacks))
+            for name in order:
+                if point in todo[name] and name in stacks:
+                    if not _point(name, setup, stacks[name], point, log, advance):
+                        _stop(name, stacks.pop(name), log)
+    finally:
+        for name, stack in stacks.items():
+            _stop(name, stack, log)
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -544,6 +622,7 @@ def _meta(argv: Sequence[str], setup: Setup, configs: Sequence[str]) -> dict[str
         "pin_servers": setup.pin_servers,
         "gpus": None if setup.gpus is None else list(setup.gpus),
         "arrivals": "Poisson (vllm bench serve --request-rate, burstiness 1)",
+        "interleaved": "--interleave" in argv,
     }
 
 
@@ -553,6 +632,10 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.rerender is not None:
         return rerender(args.rerender.resolve())
+    if args.rounds is not None:
+        from connector.tools.bench import sweep_rounds
+
+        return sweep_rounds.main(args.rounds, args.rounds_out)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     plan = make_plan(args)
     configs = list(args.configs or (SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS))
@@ -589,7 +672,11 @@ def main(argv: Sequence[str]) -> int:
             f"{estimate_minutes(plan, [n for n in configs if todo[n]]):.0f} min, "
             f"bound {args.max_minutes:g} min"
         )
-        for name in configs:
+        if args.interleave:
+            log(f"interleaved: {', '.join(configs)} up at once, each point on all back to back")
+            run_interleaved(configs, setup, todo, log, advance)
+            records = _publish(run_dir, meta, log)
+        for name in [] if args.interleave else configs:
             if not todo[name]:
                 log(f"[{name}] every point done before: skipped")
                 continue

@@ -97,21 +97,30 @@ def decomposition_tables(points: Sequence[dict[str, Any]], configs: Sequence[str
     return out
 
 
+NOTRACE = "-notrace"
+
+
 def tracing_lines(points: Sequence[dict[str, Any]]) -> list[str]:
-    """Per point where both ran: push (every request traced) against push-notrace."""
-    on = {_key(p): p["metrics"] for p in points if p["config"] == "push"}
-    off = {_key(p): p["metrics"] for p in points if p["config"] == "push-notrace"}
+    """Per point where both ran: a configuration (every request traced) against its
+    ``-notrace`` twin (push against push-notrace, push-ft against push-ft-notrace)."""
+    metrics = {(p["config"], *_key(p)): p["metrics"] for p in points if p["ok"]}
     lines = []
-    for key in sorted(on.keys() & off.keys()):
-        a, b = on[key], off[key]
+    for config, *key in sorted(metrics):
+        if not config.endswith(NOTRACE) or (base := config[: -len(NOTRACE)], *key) not in metrics:
+            continue
+        a, b = metrics[(base, *key)], metrics[(config, *key)]
         parts = []
-        for metric, label in (("median_ttft_ms", "TTFT p50"), ("mean_tpot_ms", "mean TPOT")):
+        for metric, label, unit in (
+            ("median_ttft_ms", "TTFT p50", "ms"),
+            ("mean_tpot_ms", "mean TPOT", "ms"),
+            ("request_throughput", "req/s", ""),
+        ):
             if a.get(metric) and b.get(metric):
                 parts.append(
-                    f"{label} {a[metric]:.1f} / {b[metric]:.1f} ms "
-                    f"({(a[metric] - b[metric]) / b[metric]:+.1%})"
+                    f"{label} {a[metric]:.{1 if unit else 2}f} / {b[metric]:.{1 if unit else 2}f}"
+                    f"{' ' + unit if unit else ''} ({(a[metric] - b[metric]) / b[metric]:+.1%})"
                 )
-        lines.append(f"- {key[0]} tokens, {key[1]:g} req/s: " + "; ".join(parts or ["n/a"]))
+        lines.append(f"- {base}, {key[0]} tokens, {key[1]:g} req/s: " + "; ".join(parts or ["n/a"]))
     return lines
 
 
@@ -156,6 +165,6 @@ def markdown(data: dict[str, Any]) -> str:
         *decomposition_tables(points, configs),
     ]
     if tracing := tracing_lines(points):
-        parts += ["## Tracing's cost (push, every request traced, against push-notrace)", ""]
+        parts += ["## Tracing's cost (every request traced, against the -notrace twin)", ""]
         parts += tracing
     return "\n".join(parts).rstrip() + "\n"

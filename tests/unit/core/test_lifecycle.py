@@ -24,7 +24,7 @@ S = ReqState
 P_STATES = frozenset({S.PREFILLING, S.PUSHING, S.PUSHED_EARLY, S.HANDED_OVER, S.SPENT})
 D_STATES = frozenset({S.AWAITING_ALLOC, S.RECEIVING, S.ABORTING, S.DONE, S.REFUSED, S.LOAD_FAILED})
 LIVE = P_STATES | D_STATES
-P_EVENTS = (lc.PrefillScheduled, lc.PushReported)
+P_EVENTS = (lc.PrefillScheduled, lc.PrefillStopped, lc.PushReported)
 D_EVENTS = (lc.BlocksAllocated, lc.PromptCached, lc.RecvReported, lc.LoadHookFailed)
 EVENTS = [
     lc.BlocksAllocated("r"),
@@ -32,6 +32,7 @@ EVENTS = [
     lc.PrefillScheduled("r"),
     lc.Preempted("r"),
     lc.RequestFinished("r"),
+    lc.PrefillStopped("r"),
     lc.PushReported("r"),
     lc.RecvReported("r"),
     lc.HookFailed("r"),
@@ -45,9 +46,17 @@ EFFECT_AT = {
         (S.AWAITING_ALLOC, lc.HookFailed),
     },
     Effect.STAGE_PREFILL: {(S.PREFILLING, lc.PrefillScheduled)},
-    Effect.RECLAIM: {(S.PUSHING, lc.Preempted), (S.PUSHING, lc.HookFailed)},
+    Effect.RECLAIM: {
+        (S.PUSHING, lc.Preempted),
+        (S.PUSHING, lc.HookFailed),
+        (S.PUSHING, lc.PrefillStopped),
+    },
     Effect.DELAY_FREE: {(S.PUSHING, lc.RequestFinished)},
-    Effect.STAGE_PREFILL_ABORT: {(S.PREFILLING, lc.RequestFinished), (S.PREFILLING, lc.HookFailed)},
+    Effect.STAGE_PREFILL_ABORT: {
+        (S.PREFILLING, lc.RequestFinished),
+        (S.PREFILLING, lc.PrefillStopped),
+        (S.PREFILLING, lc.HookFailed),
+    },
     Effect.STAGE_ABORT: {
         (S.RECEIVING, lc.RequestFinished),
         (S.RECEIVING, lc.HookFailed),
@@ -228,6 +237,21 @@ class PRequestPath(_Request):
         assert (effect is Effect.DELAY_FREE) == bool(in_flight)
         self.delay_free = effect is Effect.DELAY_FREE
         assert (effect is Effect.STAGE_PREFILL_ABORT) == (self.staged == 0)
+
+    @precondition(lambda self: self.running and self.prompt_done and not self.finished)
+    @rule()
+    def stop(self) -> None:
+        """The first token ends the request and its leg says no D follows
+        (``release_on_stop``): vLLM frees the blocks now, a WRITE that may read them is
+        reclaimed (the next forward waits for it), nothing is owed back."""
+        effect = self.fire(lc.PrefillStopped("r"))
+        self.finished = True
+        in_flight = self.staged and not self.reported and not self.reclaimed
+        assert (effect is Effect.RECLAIM) == bool(in_flight)
+        assert effect is not Effect.DELAY_FREE
+        if in_flight:
+            self.reclaimed = True
+        assert self.released
 
     @precondition(lambda self: self.report_may_come and not self.released)
     @rule()

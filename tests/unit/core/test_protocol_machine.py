@@ -282,8 +282,10 @@ class PushProtocol(RuleBasedStateMachine):
         if not live:
             return
         p, tid = data.draw(st.sampled_from(live))
+        # Preempted (prefill_aborted), or stopped with no D to follow (not_needed).
+        reason = data.draw(st.sampled_from([m.FailReason.PREFILL_ABORTED, m.FailReason.NOT_NEEDED]))
         self.reclaimed.add((p, tid))
-        self._p_do(p, self.P[p].handle(ev.SourceReclaimed(tid), self.now))
+        self._p_do(p, self.P[p].handle(ev.SourceReclaimed(tid, reason), self.now))
 
     @rule(data=st.data(), tid=st.sampled_from(TIDS))
     def decode_allocated(self, data: st.DataObject, tid: str) -> None:

@@ -191,6 +191,31 @@ def test_prefill_body_does_not_touch_the_client_body() -> None:
     assert "max_completion_tokens" not in out  # only set for chat, and only if present
 
 
+@pytest.mark.parametrize("token_ids", [True, False])
+@pytest.mark.parametrize("min_tokens", [None, 0, 5])
+def test_prefill_body_for_the_first_token_keeps_eos_masked_and_releases_on_stop(
+    token_ids: bool, min_tokens: int | None
+) -> None:
+    """With P's token the client's (``token_ids``): min_tokens >= 1 stays 1 on P's one-token
+    leg (EOS masked as on one instance), and P frees its blocks when that token stops the
+    request (no D leg follows). Otherwise P's token is discarded: no min_tokens, no flag."""
+    body: dict[str, object] = {"prompt": "x", "max_tokens": 9, "stream": True}
+    if min_tokens is not None:
+        body["min_tokens"] = min_tokens
+    out = legs.prefill_body(
+        Mode.PUSH,
+        legs.Endpoint.COMPLETIONS,
+        body,
+        transfer_id="t",
+        traceparent="tp",
+        token_ids=token_ids,
+    )
+    assert out["max_tokens"] == 1
+    assert out.get("min_tokens") == (1 if token_ids and min_tokens else None)
+    assert out["kv_transfer_params"].get("release_on_stop", False) is token_ids
+    assert out.get("return_token_ids", False) is token_ids
+
+
 # -- config ------------------------------------------------------------------------------
 
 

@@ -114,6 +114,30 @@ def test_a_resumed_sweep_runs_only_the_points_without_results(
     assert ran == [("push", "in256-r4")]
 
 
+def test_interleave_runs_each_point_on_every_stack_back_to_back_alternating_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = _fake_sweep(tmp_path, monkeypatch, {"push-ft": 30.0, "push-ft-notrace": 29.0})
+    configs = ["--configs", "push-ft", "push-ft-notrace"]
+    args = ["--smoke", *configs, "--interleave", "--run-dir", str(tmp_path / "run")]
+    assert sweep.main(args) == 0
+    a, b = "push-ft", "push-ft-notrace"
+    assert ran == [
+        (a, "in64-r2"),
+        (b, "in64-r2"),
+        (b, "in64-r4"),
+        (a, "in64-r4"),
+        (a, "in256-r2"),
+        (b, "in256-r2"),
+        (b, "in256-r4"),
+        (a, "in256-r4"),
+    ]
+    data = json.loads((tmp_path / "run" / "sweep.json").read_text())
+    assert data["interleaved"] is True
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "- push-ft, 64 tokens, 2 req/s: TTFT p50 30.0 / 29.0 ms (+3.4%)" in report
+
+
 def test_the_sweep_stops_starting_points_at_its_time_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,7 +231,7 @@ def test_the_report_shows_the_gap_to_single_and_each_points_decomposition() -> N
     text = sweep_report.markdown(
         {"configs": ["push", "push-notrace"], "points": _records() + notrace}
     )
-    assert "- 128 tokens, 1 req/s: TTFT p50 25.0 / 20.0 ms (+25.0%)" in text
+    assert "- push, 128 tokens, 1 req/s: TTFT p50 25.0 / 20.0 ms (+25.0%)" in text
 
 
 def test_the_figure_has_a_panel_per_length_and_a_line_per_configuration() -> None:
@@ -296,3 +320,34 @@ def test_dtype_auto_is_float32_only_on_a_cpu_without_native_bf16(
     }
     assert size["f"] == 2 * size["b"]
     assert fp32[fp32.index("--dtype") + 1] == "float32"
+
+
+def test_rounds_pair_each_traced_configuration_with_its_twin_round_by_round(
+    tmp_path: Path,
+) -> None:
+    """Round i of push-ft pairs with round i of push-ft-notrace (one drifting box): the
+    change is taken within each round, then its median and range over the rounds."""
+    plan = SweepPlan((128,), (1.0,), point_s=1.0, min_prompts=4)
+    (point,) = plan.points()
+    dirs = []
+    for i, (on, off) in enumerate(((30.0, 29.0), (60.0, 60.0), (20.0, 19.0))):
+        d = tmp_path / f"r{i}"
+        d.mkdir()
+        recs = [
+            sweep_points.point_record(c, point, plan, _bench(4, ttft))
+            for c, ttft in (("single", 25.0), ("push-ft", on), ("push-ft-notrace", off))
+        ]
+        configs = ["single", "push-ft", "push-ft-notrace"]
+        meta = {"configs": configs, "argv": ["pushkv"], "interleaved": True}
+        sweep_points.write_sweep(d, meta, recs)
+        dirs.append(d)
+    out = tmp_path / "rounds.md"
+    assert sweep.main(["--rounds", *map(str, dirs), "--rounds-out", str(out)]) == 0
+    text = out.read_text()
+    # 30/29 - 1 = +3.4 %, 0 %, 20/19 - 1 = +5.3 %: median +3.4 %, though the medians of the
+    # raw TTFTs (30 vs 29) would say the same only by luck.
+    assert "| 128 @ 1 | +3.4% [+0.0% to +5.3%] | +0.0% [+0.0% to +0.0%] |" in text
+    assert "| 128 @ 1 | push-ft | 30.0 [20.0 to 60.0] |" in text
+    assert text.count("(interleaved)") == 3
+    # push-ft - single per round: 5, 35, -5 ms.
+    assert "| 128 @ 1 | 5.0 [-5.0 to 35.0] | 4.0 [-6.0 to 35.0] |" in text

@@ -98,6 +98,18 @@ def test_gauges_show_held_blocks_and_their_age_then_go_back_to_zero() -> None:
     assert sum(got["counts"].values()) == 1
 
 
+def test_a_stopped_prefill_ends_cancelled_not_needed() -> None:
+    """First token from P that ends the request: P's transfer ends as not needed, which
+    the dashboards count with cancellations, not failures."""
+    pair = Pair()
+    p, _ = _wired(pair)
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1,),), 16), pair.now)
+    pair.sender.on_event(ev.SourceReclaimed("t", m.FailReason.NOT_NEEDED), pair.now)
+    pair.now += 100 * MS
+    counts = _drain(p)["counts"]
+    assert counts == {key(Metric.TRANSFERS, "send", "cancelled", "not_needed"): 1}
+
+
 def test_drops_are_counted_by_reason() -> None:
     pair = Pair()
     p, _ = _wired(pair)

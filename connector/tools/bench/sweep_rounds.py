@@ -1,0 +1,154 @@
+"""Several sweeps of the same plan read as rounds (``pushkv bench --sweep --rounds DIR...``):
+per point, each configuration's median and range over the rounds, each one's median TTFT
+against the single instance's and each traced configuration against its ``-notrace`` twin,
+both paired within each round.
+
+Why paired: the CPU box drifts by 30 % within minutes, so two configurations are compared
+point by point inside one round (``--interleave`` runs them back to back) and only then
+across rounds; the spread of the per-round changes says what the rounds can resolve.
+
+Pure: sweep folders in, Markdown out; no processes, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from connector.tools.bench.single import SINGLE
+from connector.tools.bench.sweep_points import SWEEP_FILE
+from connector.tools.bench.sweep_report import NOTRACE
+
+# (key of a point's metrics, column title, digits)
+METRICS: tuple[tuple[str, str, int], ...] = (
+    ("median_ttft_ms", "TTFT p50 ms", 1),
+    ("mean_tpot_ms", "mean TPOT ms", 2),
+    ("request_throughput", "req/s done", 2),
+)
+
+Key = tuple[int, float, str]  # input length, rate, configuration
+
+
+def load_rounds(dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    return [json.loads((d / SWEEP_FILE).read_text()) for d in dirs]
+
+
+def by_point(rounds: Sequence[dict[str, Any]]) -> dict[Key, list[dict[str, float] | None]]:
+    """Each (length, rate, config)'s metrics per round, None where that round's point
+    failed or is missing (so round i of one configuration pairs with round i of another)."""
+    out: dict[Key, list[dict[str, float] | None]] = {}
+    for i, data in enumerate(rounds):
+        for p in data.get("points", []):
+            key = (p["input_len"], float(p["rate"]), p["config"])
+            out.setdefault(key, [None] * len(rounds))[i] = p["metrics"] if p["ok"] else None
+    return out
+
+
+def _spread(xs: Sequence[float], digits: int, pct: bool = False) -> str:
+    if not xs:
+        return "n/a"
+    fmt = (lambda x: f"{x:+.1%}") if pct else (lambda x: f"{x:.{digits}f}")
+    return f"{fmt(statistics.median(xs))} [{fmt(min(xs))} to {fmt(max(xs))}]"
+
+
+def paired_changes(
+    table: dict[Key, list[dict[str, float] | None]], traced: Key, untraced: Key, metric: str
+) -> list[float]:
+    """Per round where both completed: (traced - untraced) / untraced."""
+    out = []
+    for a, b in zip(table[traced], table[untraced], strict=True):
+        if a and b and a.get(metric) and b.get(metric):
+            out.append((a[metric] - b[metric]) / b[metric])
+    return out
+
+
+def gaps(
+    table: dict[Key, list[dict[str, float] | None]], a: Key, b: Key, metric: str
+) -> list[float]:
+    """Per round where both completed: a - b."""
+    return [
+        x[metric] - y[metric]
+        for x, y in zip(table[a], table[b], strict=True)
+        if x and y and x.get(metric) is not None and y.get(metric) is not None
+    ]
+
+
+def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
+    table = by_point(rounds)
+    points = sorted({(n, r) for n, r, _ in table})
+    configs = list(dict.fromkeys(c for data in rounds for c in data.get("configs", [])))
+    lines = [
+        f"# {len(rounds)} rounds of one sweep plan",
+        "",
+        *[
+            f"- `{d}`: `{' '.join(data.get('argv', []))}` at commit {data.get('git_commit')}"
+            + (" (interleaved)" if data.get("interleaved") else "")
+            for d, data in zip(dirs, rounds, strict=True)
+        ],
+        "",
+        "## Each configuration: median over the rounds [min to max]",
+        "",
+        "| point | config | " + " | ".join(title for _, title, _ in METRICS) + " | rounds |",
+        "|---" * (3 + len(METRICS)) + "|",
+    ]
+    for n, r in points:
+        for c in configs:
+            runs = table.get((n, r, c))
+            if runs is None:
+                continue
+            done = [m for m in runs if m]
+            cells = [_spread([m[k] for m in done if m.get(k)], d) for k, _, d in METRICS]
+            lines.append(f"| {n} @ {r:g} | {c} | " + " | ".join(cells) + f" | {len(done)} |")
+    if SINGLE in configs:
+        others = [c for c in configs if c != SINGLE]
+        lines += [
+            "",
+            "## Median TTFT minus the single instance's, paired per round (ms)",
+            "",
+            "| point | " + " | ".join(others) + " |",
+            "|---" * (1 + len(others)) + "|",
+        ]
+        for n, r in points:
+            if (n, r, SINGLE) not in table:
+                continue
+            cells = [
+                _spread(gaps(table, (n, r, c), (n, r, SINGLE), "median_ttft_ms"), 1)
+                if (n, r, c) in table
+                else "n/a"
+                for c in others
+            ]
+            lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
+    twins = [c for c in configs if c.endswith(NOTRACE) and c[: -len(NOTRACE)] in configs]
+    for twin in twins:
+        base = twin[: -len(NOTRACE)]
+        lines += [
+            "",
+            f"## Tracing's cost: {base} (every request traced) against {twin}, paired per round",
+            "",
+            "Per round (traced - untraced) / untraced at the same point; the median over the "
+            "rounds [min to max]. TTFT and TPOT: above 0 is tracing slower; req/s done: below "
+            "0 is tracing slower.",
+            "",
+            "| point | " + " | ".join(title for _, title, _ in METRICS) + " |",
+            "|---" * (1 + len(METRICS)) + "|",
+        ]
+        for n, r in points:
+            if (n, r, base) not in table or (n, r, twin) not in table:
+                continue
+            cells = [
+                _spread(paired_changes(table, (n, r, base), (n, r, twin), k), 0, pct=True)
+                for k, _, _ in METRICS
+            ]
+            lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(dirs: Sequence[Path], out: Path | None) -> int:
+    text = markdown(dirs, load_rounds(dirs))
+    if out is not None:
+        out.write_text(text)
+    print(text, end="")
+    return 0
