@@ -7,6 +7,10 @@ Why paired: the CPU box drifts by 30 % within minutes, so two configurations are
 point by point inside one round (``--interleave`` runs them back to back) and only then
 across rounds; the spread of the per-round changes says what the rounds can resolve.
 
+Per point too, request by request: within one sweep request i of every configuration had
+the same prompt and arrival offset, so pairing requests removes the prompts' and the
+arrivals' share of the spread (what a median over 6-16 requests a point cannot).
+
 Pure: sweep folders in, Markdown out; no processes, no clock.
 """
 
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.tools.bench.single import SINGLE
-from connector.tools.bench.sweep_points import SWEEP_FILE
+from connector.tools.bench.sweep_points import SWEEP_FILE, Point, bench_file
 from connector.tools.bench.sweep_report import NOTRACE
 
 # (key of a point's metrics, column title, digits)
@@ -76,6 +80,43 @@ def gaps(
     ]
 
 
+def per_request(bench: dict[str, Any]) -> list[tuple[float, float] | None]:
+    """Each request's (TTFT, TPOT) in ms from ``vllm bench serve``'s JSON, in request order
+    (None for a failed one): request i of two configurations at one point of one sweep had
+    the same prompt and the same arrival offset (the point's seed)."""
+    out: list[tuple[float, float] | None] = []
+    for ttft, latency, n in zip(
+        bench.get("ttfts", []),
+        bench.get("latencies", []),
+        bench.get("output_lens", []),
+        strict=False,
+    ):
+        ok = ttft and latency and n and n > 1
+        out.append((ttft * 1e3, (latency - ttft) * 1e3 / (n - 1)) if ok else None)
+    return out
+
+
+def request_pairs(
+    dirs: Sequence[Path], a: str, b: str, point: Point
+) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    """Request i of ``a`` with request i of ``b``, over every round holding both."""
+    pairs = []
+    for d in dirs:
+        fa, fb = bench_file(d, a, point), bench_file(d, b, point)
+        if not (fa.is_file() and fb.is_file()):
+            continue
+        ra, rb = (per_request(json.loads(f.read_text())) for f in (fa, fb))
+        pairs += [(x, y) for x, y in zip(ra, rb, strict=False) if x and y]
+    return pairs
+
+
+def _quartiles(xs: Sequence[float], fmt: str) -> str:
+    if len(xs) < 4:
+        return "n/a"
+    q1, q2, q3 = statistics.quantiles(xs, n=4)
+    return f"{format(q2, fmt)} [{format(q1, fmt)} to {format(q3, fmt)}]"
+
+
 def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
     table = by_point(rounds)
     points = sorted({(n, r) for n, r, _ in table})
@@ -121,6 +162,22 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
                 for c in others
             ]
             lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Per request (request i of a configuration against request i of the single "
+            "instance: the same prompt, arriving at the same offset), TTFT minus the single "
+            "instance's, ms: median [quartiles] (pairs).",
+            "",
+            "| point | " + " | ".join(others) + " |",
+            "|---" * (1 + len(others)) + "|",
+        ]
+        for n, r in points:
+            cells = []
+            for c in others:
+                pairs = request_pairs(dirs, c, SINGLE, Point(n, r))
+                diffs = [x[0] - y[0] for x, y in pairs]
+                cells.append(f"{_quartiles(diffs, '.1f')} ({len(diffs)})")
+            lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
     twins = [c for c in configs if c.endswith(NOTRACE) and c[: -len(NOTRACE)] in configs]
     for twin in twins:
         base = twin[: -len(NOTRACE)]
@@ -143,6 +200,38 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
                 for k, _, _ in METRICS
             ]
             lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Per request (request i traced against request i untraced: the same prompt, "
+            "arriving at the same offset, in the same round), (traced - untraced) / "
+            "untraced: median [quartiles] (pairs).",
+            "",
+            "| point | TTFT | TPOT |",
+            "|---|---|---|",
+        ]
+        runs: tuple[list[float], list[float]] = ([], [])
+        for n, r in points:
+            pairs = request_pairs(dirs, base, twin, Point(n, r))
+            if not pairs:
+                continue
+            ttft = [x[0] / y[0] - 1 for x, y in pairs]
+            tpot = [x[1] / y[1] - 1 for x, y in pairs]
+            lines.append(
+                f"| {n} @ {r:g} | {_quartiles(ttft, '+.1%')} ({len(ttft)}) | "
+                f"{_quartiles(tpot, '+.1%')} ({len(tpot)}) |"
+            )
+            for d in dirs:
+                if one := request_pairs([d], base, twin, Point(n, r)):
+                    runs[0].append(statistics.median(x[0] / y[0] - 1 for x, y in one))
+                    runs[1].append(statistics.median(x[1] / y[1] - 1 for x, y in one))
+        if runs[0]:
+            lines += [
+                "",
+                "Requests of one point in one round share the box's state, so the unit is a "
+                "point's run: the median change of each run's pairs, over every point and "
+                f"round ({len(runs[0])} runs), median [min to max]: TTFT "
+                f"{_spread(runs[0], 0, pct=True)}, TPOT {_spread(runs[1], 0, pct=True)}.",
+            ]
     return "\n".join(lines) + "\n"
 
 

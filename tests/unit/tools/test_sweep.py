@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from connector.tools.bench import plots, sweep, sweep_points, sweep_report, trace_slices
+from connector.tools.bench import (
+    plots,
+    sweep,
+    sweep_points,
+    sweep_report,
+    sweep_rounds,
+    trace_slices,
+)
 from connector.tools.bench.sweep_points import Point, SweepPlan
 from connector.tools.bench.vllm_bench import RunFailure
 from dashboard import sweeps
@@ -351,3 +358,24 @@ def test_rounds_pair_each_traced_configuration_with_its_twin_round_by_round(
     assert text.count("(interleaved)") == 3
     # push-ft - single per round: 5, 35, -5 ms.
     assert "| 128 @ 1 | 5.0 [-5.0 to 35.0] | 4.0 [-6.0 to 35.0] |" in text
+
+
+def test_rounds_pair_requests_by_index_across_configurations(tmp_path: Path) -> None:
+    """Request i of two configurations had the same prompt and arrival offset: TTFT and
+    TPOT (from latency, TTFT and output length) are compared request by request."""
+    point = Point(128, 2.0)
+    d = tmp_path / "r1"
+    for config, ttfts in (
+        ("push-ft", [0.100, 0.110, 0.090, 0.200]),
+        ("push-ft-notrace", [0.100, 0.100, 0.100, 0.100]),
+    ):
+        f = sweep_points.bench_file(d, config, point)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        # 9 output tokens, 8 ms apart: TPOT 8 ms for every request.
+        body = {"ttfts": ttfts, "latencies": [t + 0.064 for t in ttfts], "output_lens": [9] * 4}
+        f.write_text(json.dumps(body))
+    pairs = sweep_rounds.request_pairs([d], "push-ft", "push-ft-notrace", point)
+    assert [round(a[0] / b[0] - 1, 3) for a, b in pairs] == [0.0, 0.1, -0.1, 1.0]
+    assert all(abs(a[1] - 8.0) < 1e-9 and abs(b[1] - 8.0) < 1e-9 for a, b in pairs)
+    failed = {"ttfts": [0.1, 0.0], "latencies": [0.2, 0.0], "output_lens": [9, 0]}
+    assert sweep_rounds.per_request(failed) == [(100.0, 12.5), None]
