@@ -42,6 +42,7 @@ from connector.transfer.spans import (
     TransferSpans,
     emit_first_token,
 )
+from telemetry.span_pipe import PipeSpanProcessor
 
 CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" a"}]}\n\n'
 
@@ -161,10 +162,10 @@ def run(
 
 def _time_exports(provider: Any, holds: Holds) -> None:
     (proc,) = provider._active_span_processor._span_processors
-    if hasattr(proc, "span_exporter"):  # the SDK's BatchSpanProcessor: its export calls
-        holds.wrap(proc.span_exporter, "export")
-    else:  # PipeSpanProcessor: the sending thread's frames
+    if isinstance(proc, PipeSpanProcessor):  # the sending thread's frames
         holds.wrap(proc, "_send")
+    else:  # telemetry.batching's processor (``thread``): its exporter's export calls
+        holds.wrap(proc._exporter, "export")
 
 
 def main() -> int:
