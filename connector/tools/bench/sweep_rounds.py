@@ -209,7 +209,7 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
             "| point | TTFT | TPOT |",
             "|---|---|---|",
         ]
-        runs: tuple[list[float], list[float]] = ([], [])
+        per_run: tuple[list[float], list[float]] = ([], [])
         for n, r in points:
             pairs = request_pairs(dirs, base, twin, Point(n, r))
             if not pairs:
@@ -222,15 +222,15 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
             )
             for d in dirs:
                 if one := request_pairs([d], base, twin, Point(n, r)):
-                    runs[0].append(statistics.median(x[0] / y[0] - 1 for x, y in one))
-                    runs[1].append(statistics.median(x[1] / y[1] - 1 for x, y in one))
-        if runs[0]:
+                    per_run[0].append(statistics.median(x[0] / y[0] - 1 for x, y in one))
+                    per_run[1].append(statistics.median(x[1] / y[1] - 1 for x, y in one))
+        if per_run[0]:
             lines += [
                 "",
                 "Requests of one point in one round share the box's state, so the unit is a "
                 "point's run: the median change of each run's pairs, over every point and "
-                f"round ({len(runs[0])} runs), median [min to max]: TTFT "
-                f"{_spread(runs[0], 0, pct=True)}, TPOT {_spread(runs[1], 0, pct=True)}.",
+                f"round ({len(per_run[0])} runs), median [min to max]: TTFT "
+                f"{_spread(per_run[0], 0, pct=True)}, TPOT {_spread(per_run[1], 0, pct=True)}.",
             ]
     return "\n".join(lines) + "\n"
 
