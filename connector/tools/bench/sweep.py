@@ -227,8 +227,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         metavar="RUN_DIR",
         help="run nothing: read these sweeps (same plan) as rounds and print, per point, "
-        "each configuration's median and range over them and each traced configuration "
-        "against its -notrace twin paired per round (to --rounds-out too)",
+        "each configuration's median and range over them, and its TTFT against the single "
+        "instance's and each traced configuration against its -notrace twin, paired per "
+        "round and request by request (connector/tools/bench/sweep_rounds.py; to "
+        "--rounds-out too)",
     )
     p.add_argument("--rounds-out", type=Path, default=None, metavar="FILE")
     p.add_argument(
