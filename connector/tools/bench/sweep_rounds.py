@@ -117,6 +117,11 @@ def _quartiles(xs: Sequence[float], fmt: str) -> str:
     return f"{format(q2, fmt)} [{format(q1, fmt)} to {format(q3, fmt)}]"
 
 
+def _head(intro: str, columns: Sequence[str]) -> list[str]:
+    """A paragraph, then a table's header."""
+    return ["", intro, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+
 def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
     table = by_point(rounds)
     points = sorted({(n, r) for n, r, _ in table})
@@ -162,15 +167,12 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
                 for c in others
             ]
             lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
-        lines += [
-            "",
+        lines += _head(
             "Per request (request i of a configuration against request i of the single "
             "instance: the same prompt, arriving at the same offset), TTFT minus the single "
             "instance's, ms: median [quartiles] (pairs).",
-            "",
-            "| point | " + " | ".join(others) + " |",
-            "|---" * (1 + len(others)) + "|",
-        ]
+            ["point", *others],
+        )
         for n, r in points:
             cells = []
             for c in others:
@@ -200,15 +202,12 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
                 for k, _, _ in METRICS
             ]
             lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
-        lines += [
-            "",
+        lines += _head(
             "Per request (request i traced against request i untraced: the same prompt, "
             "arriving at the same offset, in the same round), (traced - untraced) / "
             "untraced: median [quartiles] (pairs).",
-            "",
-            "| point | TTFT | TPOT |",
-            "|---|---|---|",
-        ]
+            ["point", "TTFT", "TPOT"],
+        )
         per_run: tuple[list[float], list[float]] = ([], [])
         for n, r in points:
             pairs = request_pairs(dirs, base, twin, Point(n, r))
