@@ -538,7 +538,7 @@ def run_interleaved(
         for name in configs:
             if todo[name] and (stack := _ready(name, setup, todo[name], log, advance)):
                 stacks[name] = stack
-        points = sorted({p for name in stacks for p in todo[name]}, key=setup.plan.points().index)
+        points = [p for p in setup.plan.points() if any(p in todo[n] for n in stacks)]
         for index, point in enumerate(points):
             order = list(stacks) if index % 2 == 0 else list(reversed(stacks))
             for name in order:
@@ -677,19 +677,19 @@ def main(argv: Sequence[str]) -> int:
         if args.interleave:
             log(f"interleaved: {', '.join(configs)} up at once, each point on all back to back")
             run_interleaved(configs, setup, todo, log, advance)
-            records = _publish(run_dir, meta, log)
-        for name in [] if args.interleave else configs:
-            if not todo[name]:
-                log(f"[{name}] every point done before: skipped")
-                continue
-            if setup.deadline - _now() < STACK_START_ESTIMATE_S:
-                log(f"[{name}] out of time before starting: left for a resumed run")
-                continue
-            description = SINGLE_DESCRIPTION if name == SINGLE else CONFIGS[name].description
-            log(f"[{name}] {description}")
-            run_config(name, setup, todo[name], log, advance)
-            records = _publish(run_dir, meta, log)
-        if records is None:  # no stack ran: publish what the folder holds
+        else:
+            for name in configs:
+                if not todo[name]:
+                    log(f"[{name}] every point done before: skipped")
+                    continue
+                if setup.deadline - _now() < STACK_START_ESTIMATE_S:
+                    log(f"[{name}] out of time before starting: left for a resumed run")
+                    continue
+                description = SINGLE_DESCRIPTION if name == SINGLE else CONFIGS[name].description
+                log(f"[{name}] {description}")
+                run_config(name, setup, todo[name], log, advance)
+                records = _publish(run_dir, meta, log)  # each stack's points as they end
+        if records is None:  # interleaved, or no stack ran: publish what the folder holds
             records = _publish(run_dir, meta, log)
     complete = {(r["config"], r["point"]) for r in records if r["ok"]}
     wanted = {(n, p.name) for n in configs for p in plan.points()}
