@@ -58,26 +58,22 @@ def _spread(xs: Sequence[float], digits: int, pct: bool = False) -> str:
     return f"{fmt(statistics.median(xs))} [{fmt(min(xs))} to {fmt(max(xs))}]"
 
 
-def paired_changes(
-    table: dict[Key, list[dict[str, float] | None]], traced: Key, untraced: Key, metric: str
+def paired(
+    table: dict[Key, list[dict[str, float] | None]],
+    a: Key,
+    b: Key,
+    metric: str,
+    relative: bool = False,
 ) -> list[float]:
-    """Per round where both completed: (traced - untraced) / untraced."""
+    """Per round where both completed: a - b, or (a - b) / b when ``relative``."""
     out = []
-    for a, b in zip(table[traced], table[untraced], strict=True):
-        if a and b and a.get(metric) and b.get(metric):
-            out.append((a[metric] - b[metric]) / b[metric])
+    for x, y in zip(table[a], table[b], strict=True):
+        if x and y and x.get(metric) is not None and y.get(metric) is not None:
+            if not relative:
+                out.append(x[metric] - y[metric])
+            elif y[metric]:
+                out.append((x[metric] - y[metric]) / y[metric])
     return out
-
-
-def gaps(
-    table: dict[Key, list[dict[str, float] | None]], a: Key, b: Key, metric: str
-) -> list[float]:
-    """Per round where both completed: a - b."""
-    return [
-        x[metric] - y[metric]
-        for x, y in zip(table[a], table[b], strict=True)
-        if x and y and x.get(metric) is not None and y.get(metric) is not None
-    ]
 
 
 def per_request(bench: dict[str, Any]) -> list[tuple[float, float] | None]:
@@ -117,9 +113,10 @@ def _quartiles(xs: Sequence[float], fmt: str) -> str:
     return f"{format(q2, fmt)} [{format(q1, fmt)} to {format(q3, fmt)}]"
 
 
-def _head(intro: str, columns: Sequence[str]) -> list[str]:
-    """A paragraph, then a table's header."""
-    return ["", intro, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+def _head(intro: str | None, columns: Sequence[str]) -> list[str]:
+    """A paragraph (if any), then a table's header."""
+    para = ["", intro] if intro else []
+    return [*para, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
 
 
 def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
@@ -136,9 +133,7 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
         ],
         "",
         "## Each configuration: median over the rounds [min to max]",
-        "",
-        "| point | config | " + " | ".join(title for _, title, _ in METRICS) + " | rounds |",
-        "|---" * (3 + len(METRICS)) + "|",
+        *_head(None, ["point", "config", *(title for _, title, _ in METRICS), "rounds"]),
     ]
     for n, r in points:
         for c in configs:
@@ -153,15 +148,13 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
         lines += [
             "",
             "## Median TTFT minus the single instance's, paired per round (ms)",
-            "",
-            "| point | " + " | ".join(others) + " |",
-            "|---" * (1 + len(others)) + "|",
+            *_head(None, ["point", *others]),
         ]
         for n, r in points:
             if (n, r, SINGLE) not in table:
                 continue
             cells = [
-                _spread(gaps(table, (n, r, c), (n, r, SINGLE), "median_ttft_ms"), 1)
+                _spread(paired(table, (n, r, c), (n, r, SINGLE), "median_ttft_ms"), 1)
                 if (n, r, c) in table
                 else "n/a"
                 for c in others
@@ -186,19 +179,18 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
         lines += [
             "",
             f"## Tracing's cost: {base} (every request traced) against {twin}, paired per round",
-            "",
-            "Per round (traced - untraced) / untraced at the same point; the median over the "
-            "rounds [min to max]. TTFT and TPOT: above 0 is tracing slower; req/s done: below "
-            "0 is tracing slower.",
-            "",
-            "| point | " + " | ".join(title for _, title, _ in METRICS) + " |",
-            "|---" * (1 + len(METRICS)) + "|",
+            *_head(
+                "Per round (traced - untraced) / untraced at the same point; the median over "
+                "the rounds [min to max]. TTFT and TPOT: above 0 is tracing slower; req/s done: "
+                "below 0 is tracing slower.",
+                ["point", *(title for _, title, _ in METRICS)],
+            ),
         ]
         for n, r in points:
             if (n, r, base) not in table or (n, r, twin) not in table:
                 continue
             cells = [
-                _spread(paired_changes(table, (n, r, base), (n, r, twin), k), 0, pct=True)
+                _spread(paired(table, (n, r, base), (n, r, twin), k, relative=True), 0, pct=True)
                 for k, _, _ in METRICS
             ]
             lines.append(f"| {n} @ {r:g} | " + " | ".join(cells) + " |")
@@ -210,19 +202,19 @@ def markdown(dirs: Sequence[Path], rounds: Sequence[dict[str, Any]]) -> str:
         )
         per_run: tuple[list[float], list[float]] = ([], [])
         for n, r in points:
-            pairs = request_pairs(dirs, base, twin, Point(n, r))
-            if not pairs:
+            by_round = [p for d in dirs if (p := request_pairs([d], base, twin, Point(n, r)))]
+            if not by_round:
                 continue
-            ttft = [x[0] / y[0] - 1 for x, y in pairs]
-            tpot = [x[1] / y[1] - 1 for x, y in pairs]
+            changes = [[(x[0] / y[0] - 1, x[1] / y[1] - 1) for x, y in run] for run in by_round]
+            ttft = [c[0] for run in changes for c in run]
+            tpot = [c[1] for run in changes for c in run]
             lines.append(
                 f"| {n} @ {r:g} | {_quartiles(ttft, '+.1%')} ({len(ttft)}) | "
                 f"{_quartiles(tpot, '+.1%')} ({len(tpot)}) |"
             )
-            for d in dirs:
-                if one := request_pairs([d], base, twin, Point(n, r)):
-                    per_run[0].append(statistics.median(x[0] / y[0] - 1 for x, y in one))
-                    per_run[1].append(statistics.median(x[1] / y[1] - 1 for x, y in one))
+            for run in changes:
+                per_run[0].append(statistics.median(c[0] for c in run))
+                per_run[1].append(statistics.median(c[1] for c in run))
         if per_run[0]:
             lines += [
                 "",
