@@ -110,16 +110,14 @@ def tracing_lines(points: Sequence[dict[str, Any]]) -> list[str]:
             continue
         a, b = metrics[(base, *key)], metrics[(config, *key)]
         parts = []
-        for metric, label, unit in (
-            ("median_ttft_ms", "TTFT p50", "ms"),
-            ("mean_tpot_ms", "mean TPOT", "ms"),
-            ("request_throughput", "req/s", ""),
+        for metric, label, fmt in (
+            ("median_ttft_ms", "TTFT p50", "{:.1f} ms"),
+            ("mean_tpot_ms", "mean TPOT", "{:.1f} ms"),
+            ("request_throughput", "req/s", "{:.2f}"),
         ):
             if a.get(metric) and b.get(metric):
-                parts.append(
-                    f"{label} {a[metric]:.{1 if unit else 2}f} / {b[metric]:.{1 if unit else 2}f}"
-                    f"{' ' + unit if unit else ''} ({(a[metric] - b[metric]) / b[metric]:+.1%})"
-                )
+                both = fmt.format(a[metric]).split()[0] + " / " + fmt.format(b[metric])
+                parts.append(f"{label} {both} ({(a[metric] - b[metric]) / b[metric]:+.1%})")
         lines.append(f"- {base}, {key[0]} tokens, {key[1]:g} req/s: " + "; ".join(parts or ["n/a"]))
     return lines
 
