@@ -463,9 +463,11 @@ def _first_token_that_stops_frees_p(pd: Pd, client: httpx.Client) -> None:
     body = greedy_body(prompt, max_tokens=1, return_token_ids=True)
     first = post_ok(pd.decode, "/v1/completions", body)["choices"][0]["token_ids"][0]
     deadline = time.monotonic() + METRIC_SETTLE_S
-    while (d_seen := source_tokens(pd.decode)) and sum(d_seen.values()) < d_before + len(prompt):
+    d_seen = source_tokens(pd.decode)
+    while sum(d_seen.values()) < d_before + len(prompt):  # D's counters trail its answer
         assert time.monotonic() < deadline, f"D's prompt tokens by source: {d_seen}"
         time.sleep(0.1)
+        d_seen = source_tokens(pd.decode)
     ended_before, _ = _p_not_needed(pd)
     text, tokens, _, usage = stream_with_logprobs(
         client, greedy_body(prompt, stop_token_ids=[first])
