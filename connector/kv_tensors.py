@@ -30,9 +30,16 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 # just as well. CPU attention serves only LBHNC.
 GPU_LAYOUT = "BLHNC"
 CPU_LAYOUT = "LBHNC"
+# vLLM 0.26 names only NHD and HND (per-layer [B, H, N, 2D] views; FlashAttention raises on
+# any other name, CPU attention requires HND): HND is LBHNC there, on GPUs too.
+LEGACY_LAYOUT = "HND"
 
 
-def preferred_layout(device_type: str) -> str:
+def preferred_layout(device_type: str, named_layouts: bool = True) -> str:
+    """The layout to ask vLLM for; ``named_layouts``: vLLM knows LBHNC/BLHNC (0.32+,
+    ``vllm_compat.NAMED_LAYOUTS``)."""
+    if not named_layouts:
+        return LEGACY_LAYOUT
     return GPU_LAYOUT if device_type == "cuda" else CPU_LAYOUT
 
 
@@ -119,6 +126,21 @@ def describe_kv_caches(
     )
     layout.validate()
     return layout
+
+
+def physical_order(kv_caches: dict[str, Any]) -> str:
+    """The KV's dims outermost first, as a name: B(locks), L(ayers), H(eads), N (tokens),
+    C(ontent); e.g. LBHNC (a page per layer and block) or BLNHC (a block of every layer is
+    one page). L goes where the distance between two layers' bases falls among the first
+    layer's strides. For the start-up log and the GPU checks (bench/gpu_serve_check.py)."""
+    names = layer_order(kv_caches)
+    first = kv_caches[names[0]]
+    strides = {"B": first.stride(0), "H": first.stride(1), "N": first.stride(2)}
+    if len(names) > 1:
+        gap = abs(kv_caches[names[1]].data_ptr() - first.data_ptr()) // first.element_size()
+        # separately allocated layers lie farther apart than a whole layer: outermost
+        strides["L"] = gap if gap < first.stride(0) * first.shape[0] else 1 << 62
+    return "".join(sorted(strides, key=lambda d: -strides[d])) + "C"
 
 
 def block_row_views(kv_caches: dict[str, Any]) -> list[Any]:

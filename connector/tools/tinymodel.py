@@ -172,6 +172,13 @@ def make_tiny_model(root: Path | None = None, *, seed: int = 0, name: str = DEFA
 
 
 def _build(out: Path, seed: int, arch: dict[str, Any]) -> None:
+    write_model_meta(out, arch)
+    _write_safetensors(out / "model.safetensors", _weights(seed, arch))
+
+
+def write_model_meta(out: Path, arch: dict[str, Any]) -> None:
+    """Everything of a model directory but its weights: the local tokenizer, its config and
+    the model's config for ``arch`` (bench/gpu_model.py writes GPU-sized weights beside it)."""
     tokenizer = _train_tokenizer()
     vocab = tokenizer.get_vocab()
     if len(vocab) != VOCAB_SIZE:
@@ -206,7 +213,6 @@ def _build(out: Path, seed: int, arch: dict[str, Any]) -> None:
             "do_sample": False,
         },
     )
-    _write_safetensors(out / "model.safetensors", _weights(seed, arch))
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -382,34 +388,45 @@ def _train_tokenizer() -> Any:
 # --- weights -------------------------------------------------------------------------------
 
 
-def _weights(seed: int, arch: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Seeded float32 weights in HF Llama naming, drawn in a fixed order."""
-    rng = np.random.Generator(np.random.PCG64(seed))
+def weight_specs(arch: dict[str, Any]) -> list[tuple[str, tuple[int, ...], float | None, int]]:
+    """Every weight in HF Llama naming, in the order drawn: (name, shape, scale, fan_in);
+    scale None is a norm's ones, else the std is scale / sqrt(fan_in) (``SCALES``)."""
     h, ffn = arch["hidden_size"], arch["intermediate_size"]
     q_out = arch["num_attention_heads"] * arch["head_dim"]
     kv_out = arch["num_key_value_heads"] * arch["head_dim"]
-
-    def normal(shape: tuple[int, int], scale: float, fan_in: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * (scale / np.sqrt(fan_in))).astype(
-            np.float32
-        )
-
-    w: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": normal((VOCAB_SIZE, h), SCALES["embed"], 1)
-    }
+    specs: list[tuple[str, tuple[int, ...], float | None, int]] = [
+        ("model.embed_tokens.weight", (VOCAB_SIZE, h), SCALES["embed"], 1)
+    ]
     for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "self_attn.q_proj.weight"] = normal((q_out, h), SCALES["q"], h)
-        w[p + "self_attn.k_proj.weight"] = normal((kv_out, h), SCALES["k"], h)
-        w[p + "self_attn.v_proj.weight"] = normal((kv_out, h), SCALES["v"], h)
-        w[p + "self_attn.o_proj.weight"] = normal((h, q_out), SCALES["o"], q_out)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "mlp.gate_proj.weight"] = normal((ffn, h), SCALES["gate"], h)
-        w[p + "mlp.up_proj.weight"] = normal((ffn, h), SCALES["up"], h)
-        w[p + "mlp.down_proj.weight"] = normal((h, ffn), SCALES["down"], ffn)
-    w["model.norm.weight"] = np.ones(h, np.float32)
-    w["lm_head.weight"] = normal((VOCAB_SIZE, h), SCALES["lm_head"], h)
+        specs += [
+            (p + "input_layernorm.weight", (h,), None, 1),
+            (p + "self_attn.q_proj.weight", (q_out, h), SCALES["q"], h),
+            (p + "self_attn.k_proj.weight", (kv_out, h), SCALES["k"], h),
+            (p + "self_attn.v_proj.weight", (kv_out, h), SCALES["v"], h),
+            (p + "self_attn.o_proj.weight", (h, q_out), SCALES["o"], q_out),
+            (p + "post_attention_layernorm.weight", (h,), None, 1),
+            (p + "mlp.gate_proj.weight", (ffn, h), SCALES["gate"], h),
+            (p + "mlp.up_proj.weight", (ffn, h), SCALES["up"], h),
+            (p + "mlp.down_proj.weight", (h, ffn), SCALES["down"], ffn),
+        ]
+    specs += [
+        ("model.norm.weight", (h,), None, 1),
+        ("lm_head.weight", (VOCAB_SIZE, h), SCALES["lm_head"], h),
+    ]
+    return specs
+
+
+def _weights(seed: int, arch: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Seeded float32 weights in HF Llama naming, drawn in a fixed order."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    w: dict[str, np.ndarray] = {}
+    for name, shape, scale, fan_in in weight_specs(arch):
+        if scale is None:
+            w[name] = np.ones(shape, np.float32)
+        else:
+            draw = rng.standard_normal(shape, dtype=np.float32)
+            w[name] = (draw * (scale / np.sqrt(fan_in))).astype(np.float32)
     return w
 
 

@@ -12,7 +12,12 @@ import torch
 
 from connector.core.errors import LayoutError
 from connector.core.plan import plan_transfer
-from connector.kv_tensors import block_row_views, describe_kv_caches, preferred_layout
+from connector.kv_tensors import (
+    block_row_views,
+    describe_kv_caches,
+    physical_order,
+    preferred_layout,
+)
 from connector.tools.kv_caches import LAYOUTS, layout_strides, vllm_kv_caches
 
 L, B, H, N, D = 3, 7, 2, 4, 8
@@ -117,3 +122,14 @@ def test_strides_match_vllms_own(layout: str) -> None:
     spec = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     want = compute_layout_strides(spec, B, L, KVCacheLayout[layout])
     assert layout_strides((L, B, H, N, 2 * D * 2), layout) == tuple(want)
+
+
+@pytest.mark.parametrize("layout", READABLE)
+def test_physical_order_names_the_layout_vllm_allocated(layout: str) -> None:
+    _, views = caches(layout)
+    assert physical_order(views) == layout
+
+
+def test_physical_order_of_separately_allocated_layers_puts_layers_outermost() -> None:
+    views = {f"model.layers.{i}.self_attn": torch.zeros(B, H, N, 2 * D) for i in range(L)}
+    assert physical_order(views) == "LBHNC"

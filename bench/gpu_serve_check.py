@@ -1,0 +1,267 @@
+"""pushkv inside a CUDA vLLM: one P and one D (``vllm serve``, both on one GPU, each with its
+share of memory) and the router; greedy output through P/D against D alone, what vLLM handed
+the connector, the path each transfer took, and one trace per request.
+
+    python -m bench.gpu_serve_check --model /tmp/models/llama8b --out $OUT/check
+
+Checks, per prompt length (random token ids):
+- tokens through the router equal D alone's (D computes the prompt itself, with a fresh
+  cache_salt): the single instance, on the same GPU and kernels;
+- logprobs within ``LOGPROB_TOL``;
+- D took every prompt token from P (``vllm:prompt_tokens_by_source_total``: external only);
+- every request is one trace holding the router's, P's and D's spans;
+and records the KV layout and attention backend (from the servers' logs) and each WRITE's
+path, descriptors, bytes and time (from P's spans). Exit 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from connector.tools.pdstack import PdStack, metric_sum
+from telemetry.schema import Attr, Span
+from telemetry.traces import read_run
+
+VOCAB = (3, 4096)  # the local tokenizer's ids; 0-2 are <s>, </s>, <pad>
+SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
+# bf16 logits of magnitude ~10 carry ~0.04 of rounding (8 bits of mantissa); P's prefill and
+# D's own are the same kernels on the same GPU, but D's decode steps may batch differently.
+LOGPROB_TOL = 0.05
+LOG_PATTERNS = (  # what vLLM and pushkv say at start-up about the KV
+    r"pushkv worker .*",
+    r"Using .*[Bb]ackend.*",
+    r"Allocating a cross layer KV cache.*",
+    r"KV cache layout.*",
+    r"[Ss]etting KV cache layout.*",
+    r"Connectors do not specify a kv cache layout.*",
+    r"GPU KV cache size.*",
+    r"pushkv: vLLM .*",
+    r"IPC offer .*",
+)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def greedy(tokens: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "model",
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def complete(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    r = client.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"{client.base_url}: {r.status_code} {r.text[:500]}")
+    choice: dict[str, Any] = r.json()["choices"][0]
+    return choice
+
+
+def sources(client: httpx.Client) -> dict[str, float]:
+    text = client.get("/metrics").text
+    return {
+        s: metric_sum(text, SOURCE_METRIC, source=s) or 0.0
+        for s in ("external_kv_transfer", "local_compute", "local_cache_hit")
+    }
+
+
+def log_facts(log: Path) -> list[str]:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    seen: list[str] = []
+    for pat in LOG_PATTERNS:
+        for m in re.finditer(pat, text):
+            line = m.group(0).strip()
+            if line not in seen:
+                seen.append(line)
+    return seen
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[bool, float, str]:
+    toks, ref_toks = got["logprobs"]["tokens"], ref["logprobs"]["tokens"]
+    lps, ref_lps = got["logprobs"]["token_logprobs"], ref["logprobs"]["token_logprobs"]
+    same = toks == ref_toks
+    k = len(toks)
+    if not same:  # compare up to the first differing token
+        k = next(i for i, (a, b) in enumerate(zip(toks, ref_toks, strict=False)) if a != b)
+    gap = max((abs(a - b) for a, b in zip(lps[:k], ref_lps[:k], strict=True)), default=0.0)
+    why = "" if same else f"token {k} differs: {toks[k]!r} vs {ref_toks[k]!r}"
+    return same and gap <= LOGPROB_TOL, gap, why
+
+
+def write_rows(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Each WRITE span of P (path, descriptors, bytes, ms) and how the traces look."""
+    run = read_run(run_dir)
+    rows: list[dict[str, Any]] = []
+    shape = {"traces": 0, "requests": 0, "complete": 0}
+    for t in run.traces:
+        shape["traces"] += 1
+        if not t.named(Span.REQUEST.value):
+            continue
+        shape["requests"] += 1
+        roles = {sp.attr(Attr.ROLE.value) for sp in t.spans}
+        if {"router", "prefill", "decode"} <= roles:
+            shape["complete"] += 1
+        tokens = next(
+            (
+                sp.attr(Attr.PROMPT_TOKENS.value)
+                for sp in t.spans
+                if sp.attr(Attr.PROMPT_TOKENS.value)
+            ),
+            None,
+        )
+        for w in t.named(Span.WRITE.value):
+            a = w.attributes
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "path": a.get(Attr.XFER_PATH.value),
+                    "reason": a.get(Attr.XFER_REASON.value),
+                    "descriptors": a.get(Attr.DESCRIPTORS.value),
+                    "bytes": a.get(Attr.BYTES.value),
+                    "write_ms": (w.end_ns - w.start_ns) / 1e6,
+                    "copy_ms": a.get(Attr.XFER_COPY_MS.value),
+                    "gbps": a.get(Attr.GBPS.value),
+                }
+            )
+    return rows, shape
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    longest = max(args.lengths)
+    gpu = not args.cpu
+    server_args = [
+        "--served-model-name",
+        "model",
+        "--max-model-len",
+        str(longest + args.max_tokens + 16),
+        *(["--gpu-memory-utilization", str(args.gpu_share)] if gpu else []),
+        *args.server_args.split(),
+    ]
+    stack = PdStack(
+        args.model,
+        out,
+        server_args=server_args,
+        pin_servers=not gpu,
+        prefill_gpus=args.gpu if gpu else None,
+        decode_gpus=args.gpu if gpu else None,
+        kv_buffer_device="cuda" if gpu else "cpu",
+        decode_extra_config={"xfer_paths": args.xfer_paths},
+        prefill_extra_config={"xfer_paths": args.xfer_paths},
+    )
+    for srv in (stack.prefill, stack.decode):
+        srv.kv_cache_memory_bytes = args.kv_cache_bytes
+    report: dict[str, Any] = {"model": str(args.model), "lengths": args.lengths, "checks": []}
+    ok = True
+    t0 = time.monotonic()
+    try:
+        report["start_s"] = stack.start(timeout_s=args.start_timeout)
+        print(f"stack up in {report['start_s']:.0f} s", flush=True)
+        timeout = httpx.Timeout(300.0)
+        with (
+            httpx.Client(base_url=stack.url, timeout=timeout) as router,
+            httpx.Client(base_url=stack.decode.url, timeout=timeout) as d,
+        ):
+            complete(router, greedy(prompt(32, 1), 4))  # warm-up: first request's one-offs
+            complete(d, greedy(prompt(32, 2), 4, cache_salt=uuid.uuid4().hex))
+            before = sources(d)
+            results = {}
+            for n in args.lengths:
+                t = time.monotonic()
+                results[n] = complete(router, greedy(prompt(n, 1000 + n), args.max_tokens))
+                print(f"{n:6} tokens via P/D: {(time.monotonic() - t) * 1e3:7.1f} ms", flush=True)
+            want = before["external_kv_transfer"] + sum(args.lengths)
+            deadline = time.monotonic() + 10.0
+            after = sources(d)
+            while after["external_kv_transfer"] < want and time.monotonic() < deadline:
+                time.sleep(0.2)
+                after = sources(d)
+            delta = {k: after[k] - before[k] for k in after}
+            took_all = (
+                delta["external_kv_transfer"] == sum(args.lengths) and delta["local_compute"] == 0
+            )
+            report["d_prompt_tokens_by_source"] = delta
+            ok &= took_all
+            print(f"D's prompt tokens by source: {delta} ({'ok' if took_all else 'FAIL'})")
+            for n in args.lengths:
+                ref = complete(
+                    d, greedy(prompt(n, 1000 + n), args.max_tokens, cache_salt=uuid.uuid4().hex)
+                )
+                good, gap, why = compare(results[n], ref)
+                ok &= good
+                report["checks"].append(
+                    {"tokens": n, "equal": good, "logprob_gap": gap, "why": why}
+                )
+                print(
+                    f"{n:6} tokens: {'equal' if good else 'DIFFERENT'} "
+                    f"(logprobs within {gap:.4f}) {why}"
+                )
+    finally:
+        stack.stop()
+    report["seconds"] = time.monotonic() - t0
+    report["prefill_log"] = log_facts(stack.prefill.log)
+    report["decode_log"] = log_facts(stack.decode.log)
+    rows, shape = write_rows(out)
+    report["writes"], report["traces"] = rows, shape
+    one_trace = shape["requests"] == shape["complete"] == len(args.lengths) + 1
+    ok &= one_trace
+    print(f"traces: {shape} ({'ok' if one_trace else 'FAIL'}: one per request through P/D)")
+    for side in ("prefill_log", "decode_log"):
+        print(f"{side}:")
+        for line in report[side]:
+            print(f"  {line[:220]}")
+    print("| tokens | path | reason | descriptors | MiB | WRITE ms | copy ms | GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mib = (r["bytes"] or 0) / 2**20
+        print(
+            f"| {r['tokens']} | {r['path']} | {r['reason']} | {r['descriptors']} | {mib:.0f} "
+            f"| {r['write_ms']:.2f} | {r['copy_ms']} | {r['gbps']} |"
+        )
+    report["ok"] = ok
+    (out / "check.json").write_text(json.dumps(report, indent=1, default=str))
+    print("CHECK", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_serve_check", description=__doc__)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--lengths", type=int, nargs="+", default=[16, 200, 1024, 4096, 16384])
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES of both servers")
+    p.add_argument(
+        "--gpu-share", type=float, default=0.35, help="each server's --gpu-memory-utilization"
+    )
+    p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
+    p.add_argument("--xfer-paths", default="auto", choices=("auto", "direct", "ipc"))
+    p.add_argument("--server-args", default="", help="more vLLM flags for both servers")
+    p.add_argument("--start-timeout", type=float, default=400.0)
+    p.add_argument(
+        "--cpu", action="store_true", help="a dry run of this script on vLLM's CPU build"
+    )
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
