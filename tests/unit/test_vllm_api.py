@@ -3,7 +3,8 @@
 0.32 is the installed vLLM (it also runs end to end in tests/e2e); 0.33 cannot run here
 (it needs torch 2.14 with CUDA), so its modules are a fixture copied from its wheel
 (tests/fixtures/vllm_0_33/README.md) and parsed with ``ast``, as 0.32's are, never
-imported. A vLLM that adds a hook fails ``test_every_hook_is_ours_or_its_default_fits``
+imported. 0.26 is a fixture too (it runs end to end in its own venv, ``make
+test-vllm026``); where its API differs, connector/vllm_compat.py's flags must say so. A vLLM that adds a hook fails ``test_every_hook_is_ours_or_its_default_fits``
 until someone decides whether pushkv must override it.
 """
 
@@ -29,7 +30,7 @@ from tests.vllm_api import (
 
 PushConnector = pytest.importorskip("connector.plugin").PushConnector
 
-FIXTURES = ("0.33.0", "0.34.0")
+FIXTURES = ("0.26.0", "0.33.0", "0.34.0")
 ROOTS: dict[str, Path | None] = {"0.32": installed_root()} | {
     v.rsplit(".", 1)[0]: fixture_dir(v) for v in FIXTURES
 }
@@ -60,18 +61,20 @@ DEFAULTS_THAT_FIT = {
     # 0.34: no lookahead block hashing; a request may load asynchronously exactly when it
     # has do_remote_prefill (the default), which is when pushkv's D loads asynchronously.
     "supports_lookahead_block_hashes", "may_load_async",
+    # 0.26: no cross-layer KV tensor (pushkv registers per-layer views; block-outermost
+    # pages only on 0.32+ through the BLHNC layout); 0.26 binds only the block pool, which
+    # pushkv does not need (scheduler_side.BlockTracker keeps P's block ids instead).
+    "prefer_cross_layer_blocks", "register_cross_layers_kv_cache",
 }  # fmt: skip
 
-# What pushkv imports from vLLM (connector/plugin.py), by module.
+# What pushkv imports from vLLM (connector/vllm_compat.py) in every version, by module.
 IMPORTED = {
-    BASE: {
-        "KVConnectorBase_V1",
-        "KVConnectorMetadata",
-        "KVConnectorRole",
-        "KVConnectorTransferResults",
-        "SupportsHMA",
-    },
-    "vllm/v1/metrics/cache_hit_source.py": {"CacheHitSource"},
+    BASE: {"KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA"},
+}
+# What it imports where present, and the first version that has it (vllm_compat's flags).
+SINCE_0_32 = {
+    (BASE, "KVConnectorTransferResults"),  # HAS_TRANSFER_RESULTS
+    ("vllm/v1/metrics/cache_hit_source.py", "CacheHitSource"),  # CACHE_HIT_P2P
 }
 
 # What pushkv reads of the objects vLLM hands its hooks (connector/plugin.py and
@@ -169,7 +172,26 @@ def test_every_hook_is_ours_or_its_default_fits(api: dict[str, ModuleApi]) -> No
 def test_what_pushkv_imports_exists(api: dict[str, ModuleApi]) -> None:
     missing = {f: sorted(names - api[f].names) for f, names in IMPORTED.items()}
     assert not any(missing.values()), f"gone from vLLM: {missing}"
-    assert "P2P" in api["vllm/v1/metrics/cache_hit_source.py"].classes["CacheHitSource"].attributes
+    hits = api.get("vllm/v1/metrics/cache_hit_source.py")
+    assert hits is None or "P2P" in hits.classes["CacheHitSource"].attributes
+
+
+def test_what_only_newer_vllms_have_is_where_vllm_compat_says(
+    api: dict[str, ModuleApi], request: pytest.FixtureRequest
+) -> None:
+    # Each name vllm_compat imports conditionally: present from 0.32 on, absent in 0.26.
+    major, minor = request.node.callspec.params["api"].split(".")
+    new = (int(major), int(minor)) >= (0, 32)
+    for f, name in SINCE_0_32:
+        assert (f in api and name in api[f].names) == new, (f, name)
+    # 0.26 reports results through get_finished and failed loads as block ids only; 0.32
+    # binds the cache manager (P's block ids) and reports failed loads by request.
+    hooks = _hooks(api)
+    assert ("get_transfer_results" in hooks) == new
+    assert ("bind_kv_cache_manager" in hooks) == new
+    assert {"get_finished", "get_block_ids_with_load_errors"} <= set(hooks)
+    out = api["vllm/v1/outputs.py"].classes["KVConnectorOutput"].attributes
+    assert "invalid_block_ids" in out and ("failed_recving" in out) == new
 
 
 def test_what_pushkv_reads_exists(api: dict[str, ModuleApi]) -> None:
@@ -177,6 +199,7 @@ def test_what_pushkv_reads_exists(api: dict[str, ModuleApi]) -> None:
         f"{cls}": sorted(attrs - api[f].classes[cls].attributes)
         for f, classes in READ.items()
         for cls, attrs in classes.items()
+        if (f, cls) not in SINCE_0_32 or cls in api[f].classes  # 0.26 has no such class
     }
     assert not any(missing.values()), f"gone from vLLM: {missing}"
 
@@ -211,7 +234,8 @@ def test_declares_how_it_reaches_the_kv(monkeypatch: pytest.MonkeyPatch) -> None
 def test_the_fixture_holds_exactly_the_files_read(version: str) -> None:
     here = fixture_dir(version)
     got = {p.relative_to(here).as_posix() for p in here.rglob("*.py")}
-    assert got == set(FILES)
+    absent = {"vllm/v1/metrics/cache_hit_source.py"} if version == "0.26.0" else set()
+    assert got == set(FILES) - absent
 
 
 def test_compatible_catches_what_breaks_a_call() -> None:
