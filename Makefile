@@ -7,7 +7,7 @@ export UCX_TLS ?= tcp,sm,self
 export UCX_NET_DEVICES ?= lo
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv test unit perf lint demo clean bench-smoke
+.PHONY: venv test unit perf lint demo clean bench-smoke test-vllm026
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -36,8 +36,19 @@ lint: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) -m pytest -q -s tests/e2e/test_sweep_smoke.py
 
+# vLLM 0.26 in a second venv (scripts/install.sh .venv026 0.26.0): the version adapter's
+# unit tests against the real 0.26, and greedy P/D through the router equal to one instance.
+VENV026 := .venv026
+$(VENV026)/.pushkv-installed: pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(VENV026) 0.26.0
+	touch $@
+
+test-vllm026: $(VENV026)/.pushkv-installed
+	$(VENV026)/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_vllm_compat.py \
+	  tests/e2e/test_push_e2e.py::test_greedy_equals_single_instance
+
 demo: $(STAMP)
 	$(VENV)/bin/pushkv demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV026) .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from connector import vllm_compat as compat
+import connector.vllm_compat as compat
 from connector.config import check_failure_policy, load_secret, parse_config
 from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout

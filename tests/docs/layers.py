@@ -93,10 +93,12 @@ LAYERS: tuple[Layer, ...] = (
             "connector.worker_side",
             "connector.plugin",
             "connector.stats",
+            "connector.vllm_compat",
             "telemetry",
         ),
         ("nixl",),
-        "vLLM only in `plugin.py` and the two `*_side.py`",
+        "vLLM only in `plugin.py`, `vllm_compat.py` (its version differences) and the two "
+        "`*_side.py`",
     ),
     Layer("`telemetry/`", ("telemetry/",), ("telemetry",), HEAVY, "`schema.py` imports nothing"),
     Layer("`dashboard/`", ("dashboard/",), ("dashboard", "telemetry"), HEAVY),
@@ -144,7 +146,11 @@ def _allowed(rel: str, module: str) -> bool:
     top = module.split(".")[0]
     return (
         (rel.startswith("connector/transfer/gpu/") and top in ("torch", "triton"))
-        or (rel in ("connector/plugin.py", "connector/scheduler_side.py") and top == "vllm")
+        or (
+            rel
+            in ("connector/plugin.py", "connector/vllm_compat.py", "connector/scheduler_side.py")
+            and top == "vllm"
+        )
         or (rel == "connector/worker_side.py" and top in ("vllm", "torch"))
     )
 

@@ -4,8 +4,9 @@
 (it needs torch 2.14 with CUDA), so its modules are a fixture copied from its wheel
 (tests/fixtures/vllm_0_33/README.md) and parsed with ``ast``, as 0.32's are, never
 imported. 0.26 is a fixture too (it runs end to end in its own venv, ``make
-test-vllm026``); where its API differs, connector/vllm_compat.py's flags must say so. A vLLM that adds a hook fails ``test_every_hook_is_ours_or_its_default_fits``
-until someone decides whether pushkv must override it.
+test-vllm026``); where its API differs, connector/vllm_compat.py's flags must say so. A
+vLLM that adds a hook fails ``test_every_hook_is_ours_or_its_default_fits`` until someone
+decides whether pushkv must override it.
 """
 
 from __future__ import annotations
