@@ -33,13 +33,8 @@ from telemetry.critical_path import critical_path
 from telemetry.otlp_json import Trace
 from telemetry.schema import Attr, Metric, Resource, Span
 from telemetry.traces import read_run
-from tests.e2e.test_push_e2e import (
-    assert_matches_reference,
-    greedy_body,
-    post_ok,
-    random_prompt,
-    source_tokens,
-)
+from tests.e2e.greedy import assert_matches_reference, greedy_body
+from tests.e2e.test_push_e2e import post_ok, random_prompt, source_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.timeout(420)]
 

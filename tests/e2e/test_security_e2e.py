@@ -33,10 +33,9 @@ from connector.tools.pdstack import PdStack
 from connector.tools.stack import VllmServer, free_port
 from connector.transport.sidechannel_wire import KIND_EXCHANGE, encode_frame
 from tests.e2e.conftest import HTTP_TIMEOUT_S, START_TIMEOUT_S, Pd
+from tests.e2e.greedy import assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import (
-    assert_matches_reference,
     decode_leg,
-    greedy_body,
     post_ok,
     probe_prefill,
     random_prompt,

@@ -23,7 +23,8 @@ from connector.tools.hoststack import HostStack, Instance
 from connector.tools.pdstack import metric_sum
 from telemetry.schema import Attr, Metric, Span
 from telemetry.traces import read_run
-from tests.e2e.test_push_e2e import MAX_TOKENS, choice, greedy_body, post_ok, random_prompt
+from tests.e2e.greedy import MAX_TOKENS, choice, greedy_body, top_gaps
+from tests.e2e.test_push_e2e import post_ok, random_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -89,15 +90,6 @@ def transfers(url: str, side: str) -> float:
     return metric_sum(text, Metric.TRANSFERS.value, side=side, outcome="done") or 0.0
 
 
-def top_gaps(out: dict[str, Any]) -> list[float]:
-    """Per generated token, the logprob gap between the top two candidates."""
-    gaps = []
-    for top in out["choices"][0]["logprobs"]["top_logprobs"]:
-        best = sorted(top.values(), reverse=True)
-        gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
-    return gaps
-
-
 def agreed(got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str) -> int:
     """``got`` equals ``ref`` (D alone) on the tokens where ``ref`` and ``other_tp`` (P alone,
     the other TP size) agree, or leaves it earlier at one of ``ref``'s near-ties; how many
@@ -129,7 +121,7 @@ def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) 
     trace_ids, compared = [], 0
     with _client(tp_stack.url) as router, _client(d.url) as dc, _client(p.url) as pc:
         for i, prompt in enumerate(PROMPTS):
-            salted = greedy_body(prompt, cache_salt=uuid.uuid4().hex, logprobs=2)
+            salted = greedy_body(prompt, cache_salt=uuid.uuid4().hex)
             ref, p_alone = (
                 post_ok(dc, "/v1/completions", salted),
                 post_ok(pc, "/v1/completions", salted),

@@ -288,7 +288,9 @@ def test_connect_to_a_dead_port_is_unreachable(local_transport: Callable[..., Tr
     with pytest.raises(PeerUnreachable, match="decode"):
         p.connect("decode", "127.0.0.1", free_port(), timeout_s=1.0)
     took = time.monotonic() - start
-    assert 1.0 <= took < 3.0, took
+    # The 1 s timeout is honoured: not before it, and not long after (5 s covers a loaded box;
+    # a dial that ignored its timeout would wait for the kernel's, minutes).
+    assert 1.0 <= took < 6.0, took
     with pytest.raises(PeerUnknown):
         p.send_notif("decode", b"x")
 
