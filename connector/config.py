@@ -64,8 +64,11 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # one-way delay and an aborted WRITE's wind-down. An answer ends the wait at once.
     grace_s: Seconds = 10.0
     # D: how often it renews P's leases while it waits; P answers a heartbeat for a transfer
-    # it already ended, so this also bounds how long a lost `done` or `fail` costs D.
-    heartbeat_s: Seconds = 5.0
+    # it already ended, so this also bounds how long a lost `done` or `fail` costs D, and
+    # a P whose process died is known as gone at the next one (the send is refused), so
+    # its transfers end with peer_lost within this of the death. One notification per P
+    # agent per heartbeat, batched, and only while D waits.
+    heartbeat_s: Seconds = 1.0
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
     dial_timeout_s: Seconds = 10.0
     # Transfer-thread polling: fast while our own work needs progress (a WRITE in flight,

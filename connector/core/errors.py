@@ -42,3 +42,8 @@ class PeerUnknown(TransportError):
 
 class PeerDisconnected(TransportError):
     """The peer went away (NIXL_ERR_REMOTE_DISCONNECT): nothing more will arrive from it."""
+
+
+class PeerGone(PeerDisconnected):
+    """The peer's process is gone: its side channel refused our connection. An answer, not
+    a timeout: what waits on that peer fails at once."""

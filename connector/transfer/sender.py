@@ -319,7 +319,7 @@ class Sender:
                 reg.d_addr,
                 now_ns,
                 functools.partial(self._post_one, w, reg, pieces, choice, a.block_ids, heads),
-                lambda exc: self._unposted_failed(w, m.FailReason.HANDSHAKE, exc),
+                lambda exc: self._unposted_failed(w, _unreached(exc), exc),
             )
         self._poll_write(a.transfer_id, now_ns)
 
@@ -478,3 +478,8 @@ def _noop() -> None:
 
 def _noop_fail(exc: TransportError) -> None:
     pass
+
+
+def _unreached(exc: TransportError) -> m.FailReason:
+    """Why a WRITE to a D we could not reach failed: its process is gone, or no answer."""
+    return m.FailReason.PEER_LOST if isinstance(exc, PeerDisconnected) else m.FailReason.HANDSHAKE

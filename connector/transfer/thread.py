@@ -218,6 +218,7 @@ class TransferThread:
         for endpoint in (self.sender, self.receiver):  # their fault counters (schema.Count)
             if endpoint is not None:
                 self.counters.update(endpoint.counters)
+        self.counters.update(self._peers.counters)  # peers gone, unreachable, backed off
         if self._bell is not None:
             self.counters.update({f"bell_{k}": v for k, v in self._bell.counters.items()})
             self._bell.close()

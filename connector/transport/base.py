@@ -84,6 +84,12 @@ class Transport(Protocol):
         """peer_ready, re-requesting every retry interval (the fetch never retries itself)."""
         ...
 
+    def dial_refused(self, peer: str) -> str | None:
+        """Why the latest metadata request to ``peer`` was refused (nothing listens at its
+        address any more: its process is gone), or None (no answer yet, answered, or failed
+        another way). A definite answer, unlike a timeout; ``request_peer`` clears it."""
+        ...
+
     def write(
         self,
         peer: str,

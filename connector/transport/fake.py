@@ -200,7 +200,9 @@ class FakeFabric:
             self._reorder.pop(dst, None)
 
     def set_unreachable(self, name: str, unreachable: bool = True) -> None:
-        """Metadata requests to ``name`` go unanswered (listener down, wrong address)."""
+        """Metadata requests to ``name`` go unanswered (a silent host, a dropped SYN). A
+        request to an address where nothing listens (a peer that died or closed) is
+        refused instead (``dial_refused``), as a real side channel's connect is."""
         (self._unreachable.add if unreachable else self._unreachable.discard)(name)
 
     def disconnect(self, name: str) -> None:
@@ -252,6 +254,7 @@ class FakeTransport:
         self._handles: set[WriteHandle] = set()
         self._inbox: list[tuple[str, bytes]] = []
         self._dials = DialBook(self._fire_request, self.peer_ready)
+        self._refused: dict[str, str] = {}
 
     @property
     def name(self) -> str:
@@ -301,6 +304,9 @@ class FakeTransport:
 
     def _fire_request(self, peer: str, host: str, port: int) -> None:
         self._check_alive()
+        self._refused.pop(peer, None)
+        if (host, port) not in self._fabric._by_addr and peer not in self._fabric._unreachable:
+            self._refused[peer] = f"{host}:{port}: connection refused"
         target = self._fabric._listener(host, port, peer)
         if target is not None:  # both directions, like one side-channel exchange
             self._known[peer] = target
@@ -317,6 +323,9 @@ class FakeTransport:
 
     def poll_peer(self, peer: str, now_s: float) -> bool:
         return self._dials.poll(peer, now_s)
+
+    def dial_refused(self, peer: str) -> str | None:
+        return self._refused.get(peer)
 
     def connect(
         self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05

@@ -287,6 +287,9 @@ class NixlTransport:
         self.progress()  # a dialing loop also wires up endpoints already connecting
         return self._dials.poll(peer, now_s)
 
+    def dial_refused(self, peer: str) -> str | None:
+        return self._side.refused(peer)
+
     def connect(
         self, peer: str, host: str, port: int, timeout_s: float, retry_interval_s: float = 0.05
     ) -> None:

@@ -74,8 +74,11 @@ class SideChannel:
     """Server + client of the metadata exchange for one agent.
 
     Threads: one server thread (blocks in select, woken by a socketpair to stop) and
-    one client worker (a 1-thread pool, idle threads block on its queue): an idle side
-    channel burns no CPU. Both only touch sockets, the inbox and the counters.
+    up to ``dial_workers`` client workers (a pool; idle threads block on its queue): an
+    idle side channel burns no CPU. They only touch sockets, the inbox and the counters.
+    A peer has at most one dial queued or in flight (``request`` coalesces), so a peer that
+    never answers holds one worker for at most its connect and I/O timeouts, and dials to
+    other peers go on beside it.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class SideChannel:
         max_conns: int = 32,
         key: bytes | None = None,
         auth_window_s: float = 120.0,
+        dial_workers: int = 4,
     ) -> None:
         self.name = agent_name
         self._key = auth.check_key(key) if key is not None else None
@@ -107,6 +111,7 @@ class SideChannel:
         self._counters: dict[str, int] = {}
         self._pending: set[tuple[str, str, int]] = set()
         self._last_error: dict[str, str] = {}
+        self._refused: dict[str, str] = {}  # peer -> why its latest dial was refused
         self._closed = False
         try:
             # Bound to the configured host only, never 0.0.0.0 (NIXL's listener's flaw).
@@ -127,7 +132,7 @@ class SideChannel:
         )
         self._server.start()
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"pushkv-dial-{agent_name}"
+            max_workers=max(1, dial_workers), thread_name_prefix=f"pushkv-dial-{agent_name}"
         )
 
     # -- owner API ------------------------------------------------------------------
@@ -147,6 +152,7 @@ class SideChannel:
             if self._closed or key in self._pending:
                 return
             self._pending.add(key)
+            self._refused.pop(peer, None)  # this dial's own answer decides now
         self._pool.submit(self._dial, key)
 
     def drain(self) -> list[PeerMetadata]:
@@ -166,6 +172,12 @@ class SideChannel:
             if any(key[0] == peer for key in self._pending):
                 return "a dial is in flight, no answer yet"
             return None
+
+    def refused(self, peer: str) -> str | None:
+        """Why the latest dial to ``peer`` was refused (nothing listens there: the peer's
+        process is gone), or None. Cleared when a new dial to it is queued."""
+        with self._lock:
+            return self._refused.get(peer)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -212,6 +224,7 @@ class SideChannel:
             self._count("dials_ok")
             with self._lock:
                 self._last_error.pop(peer, None)
+                self._refused.pop(peer, None)
         except (OSError, RemoteProtocolError) as exc:
             if isinstance(exc, RemoteProtocolError):
                 reason, text = drop_reason(exc), f"{drop_reason(exc)}: {exc.args[-1]}"
@@ -220,6 +233,8 @@ class SideChannel:
             self._count(f"dials_failed_{reason}")
             with self._lock:
                 self._last_error[peer] = f"{host}:{port}: {text}"
+                if isinstance(exc, ConnectionRefusedError):
+                    self._refused[peer] = self._last_error[peer]
         except Exception:  # a bug of ours: log it, the worker must keep serving
             logger.exception("Side channel dial to %s at %s:%d failed", peer, host, port)
             self._count("dials_failed_internal")
