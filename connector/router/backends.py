@@ -22,10 +22,16 @@ from typing import Any
 from connector.core.errors import RemoteProtocolError
 from connector.router import legs
 from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig
-from connector.router.policy import BackendLoad, choose, unavailable_reason
+from connector.router.policy import BackendLoad, Health, choose, unavailable_reason
 from connector.router.upstream import Reply, TransportError, Upstream
 
 logger = logging.getLogger(__name__)
+
+# A backend out of service (down, not checked yet, or a P whose probe has not answered) is
+# checked again this often, not every health interval: a restarted P is probed and back in
+# rotation within this (plus its probe) of its /health answering. A refused connection
+# costs nothing; an in-service backend is still checked every health interval.
+RECHECK_S = 0.5
 
 
 class Role(enum.Enum):
@@ -153,9 +159,24 @@ class Backends:
         await asyncio.gather(*(cl.close() for cl in clients), return_exceptions=True)
 
     async def _health_loop(self) -> None:
+        interval = self.config.health_interval_s
+        tick = min(interval, RECHECK_S)
+        loop = asyncio.get_running_loop()
+        next_round = loop.time() + interval
         while True:
-            await asyncio.sleep(self.config.health_interval_s)  # the schedule, not a sync
-            await self.check_all()
+            await asyncio.sleep(tick)  # the schedule, not a sync
+            if loop.time() >= next_round:
+                next_round = loop.time() + interval
+                await self.check_all()
+            else:
+                await asyncio.gather(*(self._check(b) for b in self.all if self._out(b)))
+
+    def _out(self, b: Backend) -> bool:
+        """Out of service: not healthy (suspect is still in service), or a P the router
+        cannot route to yet (coordinates unknown)."""
+        if b.load.health not in (Health.HEALTHY, Health.SUSPECT):
+            return True
+        return b.role is Role.PREFILL and self._probing and b.coords is None
 
     # -- health and probe --------------------------------------------------------------
 

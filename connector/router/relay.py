@@ -147,10 +147,18 @@ async def post_json(
 
 
 async def open_stream(
-    backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str], what: str
+    backend: Backend,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    what: str,
+    *,
+    record: bool = True,
 ) -> Stream:
     """Send a leg and return once its status and headers are in (body not read yet). An
-    error status is read whole and raised as ``UpstreamError`` (passed through)."""
+    error status is read whole and raised as ``UpstreamError`` (passed through).
+    ``record``: count the failure against ``backend`` here (else the caller decides whose
+    failure it is: ``Dispatch.blame_decode``)."""
     try:
         resp = await backend.http.open(path, body, headers)
     except TransportError as exc:
@@ -165,7 +173,8 @@ async def open_stream(
             err = from_exception(exc, backend, what)
         finally:
             resp.close()
-    backend.record_leg_failure(suspect=err.suspect)
+    if record:
+        backend.record_leg_failure(suspect=err.suspect)
     logger.warning("router %s leg failed: %s", what, err.message)
     raise err
 
@@ -352,7 +361,12 @@ class Dispatch:
             )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
         return open_stream(
-            d, self.endpoint.path, body, headers, f"decode transfer_id={self.transfer_id}"
+            d,
+            self.endpoint.path,
+            body,
+            headers,
+            f"decode transfer_id={self.transfer_id}",
+            record=self.p is None,
         )
 
     # -- serving -----------------------------------------------------------------------
@@ -413,8 +427,11 @@ class Dispatch:
             opened = await watch.run(decode)
         except UpstreamError as err:
             self._d_error = err.message
+            role = await self.blame_decode(err, answered=err.body is not None)
+            if role is Role.DECODE:
+                self.d.backend.record_leg_failure(suspect=err.suspect)
             self._cancel_prefill()
-            return await self._fail_early(send, err, Role.DECODE)
+            return await self._fail_early(send, err, role)
         if isinstance(opened, _PrefillFailed):
             assert watch.failure is not None
             self._d_error = "prefill leg failed"
@@ -467,10 +484,75 @@ class Dispatch:
             resp = await self._decode(token=token)
         except UpstreamError as err:
             self._d_error = err.message
+            self.d.backend.record_leg_failure(suspect=err.suspect)
             return await _send_body(send, err.sse())
         self._d_resp = resp
         await self._relay_stream(
             send, resp, PrefillWatch(None), started=True, rewrite=first_token.count_token_as_output
+        )
+
+    async def blame_decode(self, err: UpstreamError, *, answered: bool) -> Role:
+        """Whose failure D's error answer is. D answers an error when the KV it waited for
+        cannot come: its P died before the push (``peer_lost``), and vLLM's
+        ``kv_load_failure_policy: fail`` turns that into a 500. That is P's failure: D is
+        not marked suspect for it, P is taken out of rotation, and the next attempt avoids
+        P (D alone, or another P). So when D ``answered`` an error (not a broken
+        connection) and this attempt's P is gone (its leg failed, or its /health fails
+        now), P is to blame; otherwise D, as before. The caller counts D's failure."""
+        d = self.d.backend
+        if self.p is not None and err.suspect and answered:
+            why = await self._prefill_gone()
+            if why is not None:
+                logger.warning(
+                    "router request_id=%s: %s answered %d with its P gone (%s): P's failure,"
+                    " not D's",
+                    self.request_id,
+                    d.name,
+                    err.status,
+                    why,
+                )
+                return Role.PREFILL
+        return Role.DECODE
+
+    async def _prefill_gone(self) -> str | None:
+        """Why this attempt's P is gone, or None while it looks alive."""
+        assert self.p is not None
+        task = self._p_task
+        if task is not None and task.done() and not task.cancelled():
+            exc = task.exception()
+            if exc is not None:
+                return f"its leg failed: {exc}"
+        p = self.p.backend
+        try:
+            r = await p.http.request("GET", "/health", timeout_s=self.config.health_timeout_s)
+        except TransportError as exc:
+            # A refused connection is an answer (down at once); a timeout may be a loaded
+            # host, which the health loop tolerates a few times.
+            p.load.record_health(False, answered=exc.kind != "timeout")
+            return f"/health: {exc.kind}: {exc}"
+        if r.status_code != 200:
+            p.load.record_health(False)
+            return f"/health answered {r.status_code}"
+        return None
+
+    def _stream_error(self, events: bytes) -> UpstreamError | None:
+        """D's stream opening with an error event instead of a token: what vLLM streams
+        when the request fails before its first token (a failed KV load under
+        ``kv_load_failure_policy: fail``). Nothing has reached the client yet."""
+        if not events.startswith(b'data: {"error"'):
+            return None
+        try:
+            payload = json.loads(events[6 : events.index(b"\n\n")])
+            status = int(payload["error"].get("code") or 500)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            status = 500
+        d = self.d.backend
+        return UpstreamError(
+            status if 500 <= status < 600 else 500,
+            f"{d.name} streamed an error before its first token "
+            f"(decode transfer_id={self.transfer_id})",
+            backend=d.name,
+            suspect=True,
         )
 
     def _response_start(self, resp: Stream) -> dict[str, Any]:
@@ -537,12 +619,28 @@ class Dispatch:
                 return await _send_body(send, _event_break(tail) + watch.failure.sse())
             if chunk is None:
                 break
-            await forward(stamp.feed(chunk))
+            events = stamp.feed(chunk)
+            if not started and (early := self._stream_error(events)) is not None:
+                if await self._retry_stream_error(early):
+                    return
+            await forward(events)
         await forward(stamp.flush())
         self._d_done = True
         if not started:
             await send(self._response_start(resp))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _retry_stream_error(self, err: UpstreamError) -> bool:
+        """D's stream opened with an error event: True when it is left to the next attempt
+        (P is to blame and one is allowed); else it goes to the client as D sent it."""
+        if not self._may_retry or self.p is None:
+            return False
+        if await self.blame_decode(err, answered=True) is not Role.PREFILL:
+            return False
+        self._d_error = err.message
+        self._cancel_prefill()
+        self.retry = Retry(Role.PREFILL, err)
+        return True
 
     async def _decode_failed(
         self, send: Send, exc: TransportError, *, started: bool, tail: bytes = b"\n\n"

@@ -3,7 +3,9 @@
 Knobs (set before or during a test): ``healthy``; ``gate`` (answer a generation request only
 once this event is set); ``fail_first_n`` / ``error_status`` / ``error_body`` (checked after
 the gate); ``stream_gate`` (a streamed answer pauses after its first chunk until set);
-``crash_mid_stream`` (drop the connection after the first chunk); ``coords`` (P's probe
+``crash_mid_stream`` (drop the connection after the first chunk); ``stream_error_first_n``
+(the first n streamed answers are 200 with an error event, as vLLM streams a request that
+failed before its first token); ``coords`` (P's probe
 answer); ``pull_params`` (P's returned ``kv_transfer_params``); ``finish_reason`` of a
 whole answer (``return_token_ids`` adds ``PROMPT_IDS`` and ``[TOKEN_ID]``, and usage).
 Records: every generation request (``requests``, ``probes``) with its body, headers and a
@@ -65,6 +67,7 @@ class MockBackend:
         }
         self.stream_gate: asyncio.Event | None = None
         self.crash_mid_stream = False
+        self.stream_error_first_n = 0
         self.chunks = list(CHUNKS)
         self.finish_reason = "length"
         self.token_ids = True  # honour return_token_ids
@@ -147,6 +150,11 @@ class MockBackend:
         if self.fail_first_n > 0:
             self.fail_first_n -= 1
             return JSONResponse(self.error_body, status_code=self.error_status)
+        if body.get("stream") and self.stream_error_first_n > 0:
+            self.stream_error_first_n -= 1
+            err = json.dumps({**self.error_body["error"], "code": self.error_status})
+            events = [f'data: {{"error": {err}}}\n\n'.encode(), b"data: [DONE]\n\n"]
+            return StreamingResponse(iter(events), media_type="text/event-stream")
         if body.get("stream"):
             return StreamingResponse(self._stream(request, seen), media_type="text/event-stream")
         answer: dict[str, Any] = {
