@@ -257,7 +257,7 @@ class SchedulerSide:
                 self._step.reclaimed.append(rec.prefill.transfer_id)
             self._enter(rid, rec, move)
         scheduled = scheduler_output.num_scheduled_tokens
-        if self._kv_cache_manager is None:  # vLLM 0.26
+        if self._kv_cache_manager is None and self.is_producer:  # vLLM 0.26: P's blocks
             wanted = {rid for rid, rec in self._reqs.items() if rec.prefill is not None}
             self._tracker.update(scheduler_output, wanted)
         manager = self._kv_cache_manager or self._tracker

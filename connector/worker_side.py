@@ -22,7 +22,7 @@ from connector.core.errors import LayoutError
 from connector.core.heads import head_range
 from connector.core.messages import FailReason, PeerAddr
 from connector.kv_params import agent_name
-from connector.kv_tensors import block_row_views, describe_kv_caches
+from connector.kv_tensors import block_row_views, describe_kv_caches, physical_order
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
 from connector.transfer.guard import Guard
@@ -158,12 +158,14 @@ class WorkerSide:
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info(
-            "pushkv worker %s: %d regions, %d blocks of %d tokens, listening on %s:%d, "
-            + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
+            "pushkv worker %s: %d regions, %d blocks of %d tokens, KV %s in %s, listening "
+            "on %s:%d, " + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
             name,
             len(layout.regions),
             layout.num_blocks,
             layout.block_size,
+            physical_order(kv_caches),
+            layout.mem_type,
             host,
             port,
         )
