@@ -5,10 +5,15 @@ the connector, the path each transfer took, and one trace per request.
     python -m bench.gpu_serve_check --model /tmp/models/llama8b --out $OUT/check
 
 Checks, per prompt length (random token ids):
-- tokens through the router equal D alone's (D computes the prompt itself, with a fresh
-  cache_salt): the single instance, on the same GPU and kernels;
-- logprobs within the end-to-end tests' tolerance, tokens equal but past a near-tie
-  (tests/e2e/greedy.py: the one rule for runs that compute the same tokens along two paths);
+- tokens through the router against D alone's, asked twice with one fresh cache_salt: the
+  second answer reads the prompt's KV from D's own prefix cache and computes only the tail,
+  the same path as D reading P's pushed KV, so it is the reference. P/D agrees if it passes
+  the end-to-end tests' rule (tests/e2e/greedy.py: tokens equal but past a near-tie, logprobs
+  within LOGPROB_TOL) or stays within D's own two-path floor: D's first (cold, whole prompt
+  in one prefill) answer against its second. On random bf16 weights on an H100 those two
+  parted at token 9 of 16 and differed by 0.40 in logprob at 16k tokens
+  (bench/results/gpu-20261205-h100/check.txt), above the CPU tests' tolerance; wrong KV
+  parts at the first tokens, far below any floor that keeps nine;
 - D took every prompt token from P (``vllm:prompt_tokens_by_source_total``: external only);
 - every request is one trace holding the router's, P's and D's spans;
 and records the KV layout and attention backend (from the servers' logs) and each WRITE's
@@ -32,7 +37,7 @@ import httpx
 from connector.tools.pdstack import PdStack, metric_sum
 from telemetry.schema import Attr, Span
 from telemetry.traces import read_run
-from tests.e2e.greedy import assert_greedy_agrees, choice, greedy_body
+from tests.e2e.greedy import LOGPROB_TOL, assert_greedy_agrees, choice, greedy_body
 
 VOCAB = (3, 4096)  # the local tokenizer's ids; 0-2 are <s>, </s>, <pad>
 SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -92,6 +97,28 @@ def compare(got: dict[str, Any], ref: dict[str, Any], what: str) -> tuple[bool, 
         return True, assert_greedy_agrees(tokens, lps, ref, what), ""
     except AssertionError as exc:
         return False, 0, str(exc)
+
+
+def deviation(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Where ``got``'s tokens first part from ``ref``'s and the largest logprob difference
+    before that: how far apart two answers are, to report next to the gate."""
+    _, tokens, lps = choice(got)
+    _, ref_tokens, ref_lps = choice(ref)
+    pairs = enumerate(zip(tokens, ref_tokens, strict=True))
+    k = next((i for i, (a, b) in pairs if a != b), len(tokens))
+    worst = max((abs(a - b) for a, b in zip(lps[:k], ref_lps[:k], strict=True)), default=0.0)
+    return {"same_tokens": k, "max_logprob_diff": round(worst, 4)}
+
+
+def within_floor(pd: dict[str, Any], floor: dict[str, Any], tol: float) -> bool:
+    """P/D's ``deviation`` from the reference is no larger than D's own two paths': its
+    tokens agree at least as far as D's cold and cached answers agree with each other (at
+    least one token), and its logprobs before its parting are within ``tol``."""
+    return (
+        floor["same_tokens"] > 0
+        and pd["same_tokens"] >= floor["same_tokens"]
+        and pd["max_logprob_diff"] <= tol
+    )
 
 
 def write_rows(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -190,16 +217,38 @@ def run(args: argparse.Namespace) -> int:
             report["d_prompt_tokens_by_source"] = delta
             ok &= took_all
             print(f"D's prompt tokens by source: {delta} ({'ok' if took_all else 'FAIL'})")
+            answers = {}
             for n in args.lengths:
-                ref = complete(
-                    d, greedy(prompt(n, 1000 + n), args.max_tokens, cache_salt=uuid.uuid4().hex)
-                )
-                good, agree, why = compare(results[n], ref, f"{n}-token prompt")
+                body = greedy(prompt(n, 1000 + n), args.max_tokens, cache_salt=uuid.uuid4().hex)
+                answers[n] = (complete(d, body), complete(d, body))  # cold, then cached
+            floors = {n: deviation(ref, cold) for n, (cold, ref) in answers.items()}
+            # The run's largest two-path logprob difference, never below the CPU tests'.
+            tol = max([LOGPROB_TOL, *(f["max_logprob_diff"] for f in floors.values())])
+            report["floor_logprob_tol"] = tol
+            for n, (cold, ref) in answers.items():
+                by_rule, agree, why = compare(results[n], ref, f"{n}-token prompt")
+                vs_ref = deviation(results[n], ref)
+                by_floor = within_floor(vs_ref, floors[n], tol)
+                good = by_rule or by_floor
                 ok &= good
+                rule = "e2e rule" if by_rule else "within D's floor" if by_floor else "neither"
                 report["checks"].append(
-                    {"tokens": n, "agrees": good, "tokens_agreeing": agree, "why": why}
+                    {
+                        "tokens": n,
+                        "agrees": good,
+                        "rule": rule,
+                        "tokens_agreeing": agree,
+                        "why": why,
+                        "pd_vs_cached": vs_ref,
+                        "cached_vs_cold": floors[n],
+                        "pd_vs_cold": deviation(results[n], cold),
+                    }
                 )
-                print(f"{n:6} tokens: {'agrees' if good else 'DIFFERENT'} ({agree} tokens) {why}")
+                print(
+                    f"{n:6} tokens: {'agrees' if good else 'DIFFERENT'} ({rule}): P/D vs D "
+                    f"cached {vs_ref}; D cached vs cold {floors[n]} (tolerance {tol})"
+                    + ("" if good else f"\n        {why}")
+                )
     finally:
         stack.stop()
     report["seconds"] = time.monotonic() - t0
