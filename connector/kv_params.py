@@ -1,9 +1,11 @@
 """The ``kv_transfer_params`` contract between the router and the connector.
 
-Owns: the strict schemas of the prefill leg (P), the decode leg (D) and the probe, and
-their parsing from the free-form dict vLLM hands over. Pure (msgspec only): the router
-builds legs with these structs, the scheduler side parses them, and a malformed dict
-becomes a ``KvParamsError`` with a message a user can act on, never an engine crash.
+Owns: the strict schemas of the prefill leg (P), the decode leg (D), the probe and P's
+answer, and their parsing from the free-form dict vLLM hands over; also the legs of vLLM's
+own connectors that the router speaks in its ``pull`` and ``vllm-push`` modes. Pure
+(msgspec only): the router builds legs with these structs (each key is spelled once, here),
+the scheduler side parses them, and a malformed dict becomes a ``KvParamsError`` with a
+message a user can act on, never an engine crash.
 Also the trust in a D leg's P coordinates (docs/security.md): the router signs them for
 one transfer id with a bounded lifetime (``sign_decode_params``), D checks the signature
 or its allowlist (``LegTrust``) before it dials anything.
@@ -12,9 +14,10 @@ or its allowlist (``LegTrust``) before it dials anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from connector.core import auth
 from connector.core.messages import Host, Name, Port, TpSize, TraceContext, TransferId
@@ -29,71 +32,98 @@ class KvParamsError(ValueError):
     """``kv_transfer_params`` is present but not usable; the message says why."""
 
 
-class PrefillLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+# The request field (and answer field) vLLM carries a leg's parameters in.
+PARAMS_FIELD: Final = "kv_transfer_params"
+
+
+class Leg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """A leg's ``kv_transfer_params``, both ways: the router builds one and sends
+    ``params()``; the receiving connector parses the dict back into the same type. A field
+    typed ``... | UnsetType = UNSET`` is optional on the wire: left out unless set, so each
+    leg carries exactly the keys its sender set. Fields are in the order they travel."""
+
+    def params(self) -> dict[str, Any]:
+        """The leg as JSON types, ready for a request body."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+
+class PrefillLeg(Leg, frozen=True, kw_only=True):
     """P leg: compute the prompt, then push its KV to whoever registers ``transfer_id``."""
 
     do_remote_decode: bool
+    do_remote_prefill: bool = False  # vLLM's legs name both flags
     transfer_id: TransferId
-    traceparent: Traceparent | None = None
-    tracestate: Tracestate = ""
+    traceparent: Traceparent | None | UnsetType = UNSET
+    tracestate: Tracestate | UnsetType = UNSET
     # The router sends no D leg when P's token ends the request (first token from P): a
     # stop (EOS, a stop token) frees P's blocks at once instead of at the lease's end.
-    release_on_stop: bool = False
+    release_on_stop: bool | UnsetType = UNSET
 
     def trace(self) -> TraceContext | None:
-        return TraceContext(self.traceparent, self.tracestate) if self.traceparent else None
+        return _trace(self.traceparent, self.tracestate)
 
 
-class DecodeLeg(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+class DecodeLeg(Leg, frozen=True, kw_only=True):
     """D leg: allocate blocks, register them with P's ranks, decode once all have written."""
 
     do_remote_prefill: bool
+    do_remote_decode: bool = False  # vLLM's legs name both flags
     transfer_id: TransferId
     remote_engine_id: Name
     remote_host: Host
     remote_port: Port  # rank r of P listens on remote_ports[r], or remote_port + r
     remote_tp_size: TpSize = 1
-    remote_ports: Annotated[tuple[Port, ...], msgspec.Meta(max_length=4096)] = ()
-    remote_agents: Annotated[tuple[Name, ...], msgspec.Meta(max_length=4096)] = ()
-    traceparent: Traceparent | None = None
-    tracestate: Tracestate = ""
-    # The router's signature over the coordinates and transfer_id (``sign_decode_params``).
-    pushkv_sig: Annotated[str, msgspec.Meta(max_length=128)] = ""
-    # How many of the prompt's leading tokens P computes (None: all). The router's first
+    traceparent: Traceparent | None | UnsetType = UNSET
+    remote_ports: Annotated[tuple[Port, ...], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
+    remote_agents: Annotated[tuple[Name, ...], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
+    tracestate: Tracestate | UnsetType = UNSET
+    # How many of the prompt's leading tokens P computes (unset: all). The router's first
     # token from P sends D the prompt plus P's token: D loads the prompt, computes the token.
-    remote_num_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    remote_num_tokens: Annotated[int, msgspec.Meta(ge=1)] | None | UnsetType = UNSET
+    # The router's signature over the coordinates and transfer_id (``sign_decode_leg``).
+    pushkv_sig: Annotated[str, msgspec.Meta(max_length=128)] | UnsetType = UNSET
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Each P rank's listener when P reported them; empty: ``remote_port + r``."""
+        return self.remote_ports or ()
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        return self.remote_agents or ()
 
     def covered(self, num_prompt_tokens: int) -> int:
         """The prompt tokens whose KV comes from P."""
         n = self.remote_num_tokens
-        return num_prompt_tokens if n is None else min(n, num_prompt_tokens)
+        return min(n, num_prompt_tokens) if n else num_prompt_tokens
 
     def port_of(self, p_rank: int) -> int:
-        return self.remote_ports[p_rank] if self.remote_ports else self.remote_port + p_rank
+        return self.ports[p_rank] if self.ports else self.remote_port + p_rank
 
     def agent_of(self, p_rank: int) -> str:
-        return (
-            self.remote_agents[p_rank]
-            if self.remote_agents
-            else agent_name(self.remote_engine_id, p_rank)
-        )
+        return self.agents[p_rank] if self.agents else agent_name(self.remote_engine_id, p_rank)
 
     def trace(self) -> TraceContext | None:
-        return TraceContext(self.traceparent, self.tracestate) if self.traceparent else None
+        return _trace(self.traceparent, self.tracestate)
 
     def validate(self) -> None:
-        if self.remote_ports and len(self.remote_ports) != self.remote_tp_size:
+        if self.ports and len(self.ports) != self.remote_tp_size:
             raise KvParamsError(
-                f"remote_ports has {len(self.remote_ports)} entries for "
+                f"remote_ports has {len(self.ports)} entries for "
                 f"remote_tp_size {self.remote_tp_size}"
             )
-        if self.remote_agents and len(self.remote_agents) != self.remote_tp_size:
+        if self.agents and len(self.agents) != self.remote_tp_size:
             raise KvParamsError(
-                f"remote_agents has {len(self.remote_agents)} entries for "
+                f"remote_agents has {len(self.agents)} entries for "
                 f"remote_tp_size {self.remote_tp_size}"
             )
-        if not self.remote_ports and self.remote_port + self.remote_tp_size - 1 > 65535:
+        if not self.ports and self.remote_port + self.remote_tp_size - 1 > 65535:
             raise KvParamsError("remote_port + remote_tp_size runs past port 65535")
+
+
+def _trace(traceparent: str | None | UnsetType, tracestate: str | UnsetType) -> TraceContext | None:
+    return TraceContext(traceparent, tracestate or "") if traceparent else None
 
 
 MIN_SECRET_BYTES = auth.MIN_KEY_BYTES
@@ -112,19 +142,24 @@ def _coords_payload(leg: DecodeLeg) -> bytes:
             leg.remote_host,
             leg.remote_port,
             leg.remote_tp_size,
-            leg.remote_ports,
-            leg.remote_agents,
+            leg.ports,
+            leg.agents,
         ]
     )
+
+
+def sign_decode_leg(leg: DecodeLeg, key: bytes, now_ms: int, ttl_ms: int) -> DecodeLeg:
+    """``leg`` with ``pushkv_sig``: valid for ``ttl_ms`` from ``now_ms``."""
+    token = auth.sign_token(key, auth.COORDS, _coords_payload(leg), now_ms + ttl_ms)
+    return msgspec.structs.replace(leg, pushkv_sig=token)
 
 
 def sign_decode_params(
     params: dict[str, Any], key: bytes, now_ms: int, ttl_ms: int
 ) -> dict[str, Any]:
-    """``params`` (a D leg) with ``pushkv_sig``: valid for ``ttl_ms`` from ``now_ms``."""
+    """``params`` (a D leg as a dict) with ``pushkv_sig``, the other keys as they were."""
     leg = _convert({k: v for k, v in params.items() if k != "pushkv_sig"}, DecodeLeg)
-    token = auth.sign_token(key, auth.COORDS, _coords_payload(leg), now_ms + ttl_ms)
-    return {**params, "pushkv_sig": token}
+    return {**params, "pushkv_sig": sign_decode_leg(leg, key, now_ms, ttl_ms).pushkv_sig}
 
 
 @dataclass(frozen=True)
@@ -148,7 +183,8 @@ class LegTrust:
         if self.key is None:
             raise UntrustedLeg(f"prefill coordinates {where} are not in trusted_prefill")
         try:
-            auth.verify_token(self.key, auth.COORDS, _coords_payload(leg), leg.pushkv_sig, now_ms)
+            sig = leg.pushkv_sig or ""
+            auth.verify_token(self.key, auth.COORDS, _coords_payload(leg), sig, now_ms)
         except auth.AuthError as exc:
             listed = " and not in trusted_prefill" if self.allowed else ""
             raise UntrustedLeg(
@@ -199,28 +235,81 @@ def is_probe(params: dict[str, Any] | None) -> bool:
     return isinstance(params, dict) and params.get("pushkv_probe") is True
 
 
-class Coordinates(msgspec.Struct, frozen=True):
+class ProbeLeg(Leg, frozen=True, kw_only=True):
+    """The router's probe of a P: a one-token request P answers with its ``Coordinates``."""
+
+    pushkv_probe: bool = True
+
+
+class Coordinates(msgspec.Struct, frozen=True, omit_defaults=True):
     """Where a D engine finds one P engine's KV: what P returns to the router's probe (in
     its response's ``kv_transfer_params["pushkv"]``) and what the router puts in D's leg.
     ``ports`` / ``agents`` name each P rank's listener and transport agent when P reports
     them; empty means rank r listens on ``port + r`` under the default agent name."""
 
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    ports: tuple[int, ...] = ()
-    agents: tuple[str, ...] = ()
+    engine_id: Name
+    host: Host
+    port: Port
+    tp_size: TpSize
+    ports: Annotated[tuple[Port, ...], msgspec.Meta(max_length=4096)] = ()
+    agents: Annotated[tuple[Name, ...], msgspec.Meta(max_length=4096)] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "engine_id": self.engine_id,
-            "host": self.host,
-            "port": self.port,
-            "tp_size": self.tp_size,
-        }
-        if self.ports:
-            out["ports"] = list(self.ports)
-        if self.agents:
-            out["agents"] = list(self.agents)
+        out: dict[str, Any] = msgspec.to_builtins(self)
         return out
+
+    def validate(self) -> None:
+        for name, values in (("ports", self.ports), ("agents", self.agents)):
+            if values and len(values) != self.tp_size:
+                raise KvParamsError(f"{len(values)} {name} for tp_size {self.tp_size}")
+
+
+class PrefillAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The ``kv_transfer_params`` of pushkv's P answer: its coordinates (to the probe and
+    to a P leg) and the leg's ``transfer_id``, or why it refused the transfer."""
+
+    pushkv: Coordinates | UnsetType = UNSET
+    transfer_id: str | UnsetType = UNSET
+    pushkv_error: str | UnsetType = UNSET
+
+
+def parse_prefill_answer(params: Any) -> PrefillAnswer:
+    """P's answer's ``kv_transfer_params``; KvParamsError if malformed."""
+    answer: PrefillAnswer = _convert(params, PrefillAnswer)
+    if answer.pushkv:
+        answer.pushkv.validate()
+    return answer
+
+
+# -- vLLM's own connectors' legs (the router's ``pull`` and ``vllm-push`` modes) -----------
+
+
+class VllmPrefillLeg(Leg, frozen=True, kw_only=True):
+    """P leg of vLLM's NixlConnector and NixlPushConnector: prefill and keep the KV for D."""
+
+    do_remote_decode: bool = True
+    do_remote_prefill: bool = False
+
+
+class VllmPushDecodeLeg(Leg, frozen=True, kw_only=True):
+    """D leg of vLLM's NixlPushConnector, in the order its reference proxy sends it."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = True
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    tp_size: int
+    pp_size: int = 1
+    remote_request_id: str
+    transfer_id: str
+
+
+class VllmPullOverride(Leg, frozen=True, kw_only=True):
+    """The keys of P's returned NixlConnector parameters (pull mode's D leg) that the
+    router's ``--prefill-*`` flags replace; unset ones stay as P reported them."""
+
+    remote_engine_id: str | UnsetType = UNSET
+    remote_host: str | UnsetType = UNSET
+    remote_port: int | UnsetType = UNSET
+    tp_size: int | UnsetType = UNSET

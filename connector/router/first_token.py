@@ -163,12 +163,12 @@ def final_events(token: PrefillToken, body: JsonObj) -> bytes:
     return out + b"data: [DONE]\n\n"
 
 
-def continuation_body(decode_leg: JsonObj, token: PrefillToken) -> JsonObj:
-    """D's leg (``legs.decode_body``'s, with its ``kv_transfer_params``) continued from P's
-    token: D receives the KV of the prompt, computes the token's and samples token 2."""
-    out = copy.deepcopy(decode_leg)
+def continuation_body(body: JsonObj, token: PrefillToken) -> JsonObj:
+    """The client's ``body`` continued from P's token, for D's leg (``legs.decode_body``
+    adds its ``kv_transfer_params`` with ``remote_num_tokens`` = the prompt's length): D
+    receives the KV of the prompt, computes the token's and samples token 2."""
+    out = copy.deepcopy(body)
     out["prompt"] = [*token.prompt_ids, token.token_id]
-    out["kv_transfer_params"]["remote_num_tokens"] = len(token.prompt_ids)
     if isinstance(out.get("max_tokens"), int):
         out["max_tokens"] -= 1
     if isinstance(out.get("min_tokens"), int):

@@ -17,12 +17,29 @@ import json
 import re
 import secrets
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from msgspec import UNSET, UnsetType
 
 from connector.core.errors import PushkvError, RemoteProtocolError
+from connector.kv_params import (
+    PARAMS_FIELD,
+    DecodeLeg,
+    KvParamsError,
+    Leg,
+    PrefillAnswer,
+    PrefillLeg,
+    ProbeLeg,
+    VllmPrefillLeg,
+    VllmPullOverride,
+    VllmPushDecodeLeg,
+    parse_prefill_answer,
+)
 from connector.router.config import CoordOverride, Mode, PrefillCoords
 
 JsonObj = dict[str, Any]
+T = TypeVar("T")
 
 
 class Endpoint(enum.Enum):
@@ -69,8 +86,8 @@ def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
             )
     elif not isinstance(value, str):
         raise InvalidRequest("'prompt' must be a string or a list")
-    if "kv_transfer_params" in body:
-        raise InvalidRequest("'kv_transfer_params' is set by the router, not by clients")
+    if PARAMS_FIELD in body:
+        raise InvalidRequest(f"{PARAMS_FIELD!r} is set by the router, not by clients")
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         raise InvalidRequest("n > 1 / best_of > 1 are not supported in disaggregated serving")
     if not isinstance(body.get("stream", False), bool):
@@ -79,7 +96,8 @@ def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
 
 
 def new_transfer_id() -> str:
-    """Fresh per dispatch: a retry gets a new one (design §3)."""
+    """Fresh per dispatch: a retry gets a new one, so P and D never mistake the failed
+    attempt's transfer for the next one's."""
     return uuid.uuid4().hex
 
 
@@ -142,12 +160,16 @@ def prefill_body(
     min_tokens = out.pop("min_tokens", None)
     if token_ids and isinstance(min_tokens, int) and min_tokens > 0:
         out["min_tokens"] = 1
-    params: JsonObj = {"do_remote_decode": True, "do_remote_prefill": False}
+    leg: Leg = VllmPrefillLeg()
     if mode is Mode.PUSH:
-        params.update(transfer_id=transfer_id, traceparent=traceparent)
-        if token_ids:  # no D leg follows a token that ends the request
-            params["release_on_stop"] = True
-    out["kv_transfer_params"] = params
+        leg = PrefillLeg(
+            do_remote_decode=True,
+            transfer_id=transfer_id,
+            traceparent=traceparent,
+            # no D leg follows a token that ends the request
+            release_on_stop=True if token_ids else UNSET,
+        )
+    out[PARAMS_FIELD] = leg.params()
     return out
 
 
@@ -160,44 +182,45 @@ def decode_body(
     request_id: str,
     coords: PrefillCoords | None = None,
     prefill_params: JsonObj | None = None,
+    remote_num_tokens: int | None = None,
+    sign: Callable[[DecodeLeg], DecodeLeg] | None = None,
 ) -> JsonObj:
-    """D's leg: the client's body plus what D needs to receive the KV. ``coords`` for the
-    push modes; ``prefill_params`` (P's returned ``kv_transfer_params``) for pull."""
+    """D's leg: ``body`` (the client's, or its continuation from P's token) plus what D
+    needs to receive the KV. ``coords`` for the push modes; ``prefill_params`` (P's
+    returned ``kv_transfer_params``, flags' overrides applied) for pull. Push mode only:
+    ``remote_num_tokens`` (D loads that many prompt tokens' KV, first token from P) and
+    ``sign`` (the router's signature over P's coordinates)."""
     out = copy.deepcopy(body)
     if mode is Mode.PULL:
         if prefill_params is None:
             raise ValueError("pull mode needs P's kv_transfer_params")
-        out["kv_transfer_params"] = copy.deepcopy(prefill_params)
+        out[PARAMS_FIELD] = copy.deepcopy(prefill_params)
         return out
     if coords is None:
         raise ValueError(f"{mode.value} mode needs P's transfer coordinates")
     if mode is Mode.PUSH:
-        out["kv_transfer_params"] = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_id": transfer_id,
-            "remote_engine_id": coords.engine_id,
-            "remote_host": coords.host,
-            "remote_port": coords.port,
-            "remote_tp_size": coords.tp_size,
-            "traceparent": traceparent,
-        }
-        if coords.ports:
-            out["kv_transfer_params"]["remote_ports"] = list(coords.ports)
-        if coords.agents:
-            out["kv_transfer_params"]["remote_agents"] = list(coords.agents)
-    else:  # vLLM's NixlPushConnector reads these keys by index (reference §2.1).
-        out["kv_transfer_params"] = {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "remote_engine_id": coords.engine_id,
-            "remote_host": coords.host,
-            "remote_port": coords.port,
-            "tp_size": coords.tp_size,
-            "pp_size": 1,
-            "remote_request_id": request_id,
-            "transfer_id": transfer_id,
-        }
+        leg = DecodeLeg(
+            do_remote_prefill=True,
+            transfer_id=transfer_id,
+            remote_engine_id=coords.engine_id,
+            remote_host=coords.host,
+            remote_port=coords.port,
+            remote_tp_size=coords.tp_size,
+            traceparent=traceparent,
+            remote_ports=coords.ports or UNSET,
+            remote_agents=coords.agents or UNSET,
+            remote_num_tokens=remote_num_tokens or UNSET,
+        )
+        out[PARAMS_FIELD] = (sign(leg) if sign is not None else leg).params()
+        return out
+    out[PARAMS_FIELD] = VllmPushDecodeLeg(
+        remote_engine_id=coords.engine_id,
+        remote_host=coords.host,
+        remote_port=coords.port,
+        tp_size=coords.tp_size,
+        remote_request_id=request_id,
+        transfer_id=transfer_id,
+    ).params()
     return out
 
 
@@ -209,16 +232,17 @@ def vllm_transfer_id() -> str:
 def apply_pull_overrides(params: JsonObj, override: CoordOverride) -> JsonObj:
     """Pull mode: the ``--prefill-*`` flags replace what P reported (P may advertise an
     address D cannot reach; vLLM's own proxy rewrites ``remote_host`` for the same reason)."""
-    out = dict(params)
-    for key, value in (
-        ("remote_engine_id", override.engine_id),
-        ("remote_host", override.host),
-        ("remote_port", override.port),
-        ("tp_size", override.tp_size),
-    ):
-        if value is not None:
-            out[key] = value
-    return out
+    flags = VllmPullOverride(
+        remote_engine_id=_given(override.engine_id),
+        remote_host=_given(override.host),
+        remote_port=_given(override.port),
+        tp_size=_given(override.tp_size),
+    )
+    return {**params, **flags.params()}
+
+
+def _given(value: T | None) -> T | UnsetType:
+    return UNSET if value is None else value
 
 
 PROBE_PROMPT = "probe"
@@ -230,7 +254,7 @@ def probe_body(model: str) -> JsonObj:
         "prompt": PROBE_PROMPT,
         "max_tokens": 1,
         "stream": False,
-        "kv_transfer_params": {"pushkv_probe": True},
+        PARAMS_FIELD: ProbeLeg().params(),
     }
 
 
@@ -245,39 +269,26 @@ def parse_models_response(obj: Any) -> str:
     return model
 
 
+def prefill_answer(answer: JsonObj) -> PrefillAnswer:
+    """What pushkv's P put in its answer's ``kv_transfer_params``."""
+    try:
+        return parse_prefill_answer(answer.get(PARAMS_FIELD))
+    except KvParamsError as exc:
+        raise RemoteProtocolError(f"prefill answer: {exc}") from None
+
+
+def refusal(answer: JsonObj) -> str | None:
+    """Why pushkv's P refused the transfer of the prompt it computed, if it says so."""
+    try:
+        return prefill_answer(answer).pushkv_error or None
+    except RemoteProtocolError:
+        return None  # not pushkv's answer: nothing refused
+
+
 def parse_probe_response(obj: Any) -> PrefillCoords:
     """P's answer to the probe carries ``kv_transfer_params.pushkv`` = its coordinates
     (``connector.kv_params.Coordinates``: optional per-rank ``ports`` and ``agents``)."""
-    try:
-        c = obj["kv_transfer_params"]["pushkv"]
-        engine_id, host, port, tp_size = c["engine_id"], c["host"], c["port"], c["tp_size"]
-        ports, agents = c.get("ports") or [], c.get("agents") or []
-    except (KeyError, TypeError, AttributeError):
-        raise RemoteProtocolError(
-            f"probe answer lacks kv_transfer_params.pushkv: {obj!r:.300}"
-        ) from None
-    if not (isinstance(engine_id, str) and isinstance(host, str) and engine_id and host):
-        raise RemoteProtocolError(f"probe answer: bad engine_id/host: {c!r:.300}")
-    if not _is_port(port) or not _is_int(tp_size) or tp_size < 1:
-        raise RemoteProtocolError(f"probe answer: bad port/tp_size: {c!r:.300}")
-    if (
-        not isinstance(ports, list)
-        or not all(_is_port(x) for x in ports)
-        or (ports and len(ports) != tp_size)
-    ):
-        raise RemoteProtocolError(f"probe answer: bad ports for tp_size {tp_size}: {c!r:.300}")
-    if (
-        not isinstance(agents, list)
-        or not all(isinstance(x, str) and x for x in agents)
-        or (agents and len(agents) != tp_size)
-    ):
-        raise RemoteProtocolError(f"probe answer: bad agents for tp_size {tp_size}: {c!r:.300}")
-    return PrefillCoords(engine_id, host, port, tp_size, tuple(ports), tuple(agents))
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_port(x: Any) -> bool:
-    return _is_int(x) and 0 < x < 65536
+    coords = prefill_answer(obj).pushkv if isinstance(obj, dict) else UNSET
+    if not coords:
+        raise RemoteProtocolError(f"probe answer lacks kv_transfer_params.pushkv: {obj!r:.300}")
+    return coords

@@ -35,7 +35,7 @@ import anyio
 from starlette.types import Send
 
 from connector.core.errors import PushkvError, RemoteProtocolError
-from connector.kv_params import sign_decode_params
+from connector.kv_params import PARAMS_FIELD, DecodeLeg, sign_decode_leg
 from connector.router import first_token, legs
 from connector.router.backends import Backend, Lease, Role
 from connector.router.config import FirstToken, Mode, RouterConfig
@@ -317,15 +317,13 @@ class Dispatch:
             self.config.timeout_s,
             f"prefill transfer_id={self.transfer_id}",
         )
-        params = answer.get("kv_transfer_params")
-        if self.config.mode is Mode.PUSH and isinstance(params, dict) and "pushkv_error" in params:
+        refused = legs.refusal(answer) if self.config.mode is Mode.PUSH else None
+        if refused is not None:
             # pushkv's P computed the prompt but refused the transfer: D would wait for KV
             # that never comes. Fail the request now.
             p.record_leg_failure(suspect=False)
             raise UpstreamError(
-                502,
-                f"{p.name} refused transfer {self.transfer_id}: {params['pushkv_error']}",
-                backend=p.name,
+                502, f"{p.name} refused transfer {self.transfer_id}: {refused}", backend=p.name
             )
         return answer
 
@@ -342,22 +340,14 @@ class Dispatch:
         else:
             body = legs.decode_body(
                 self.config.mode,
-                self.body,
+                self.body if token is None else first_token.continuation_body(self.body, token),
                 transfer_id=self.transfer_id,
                 traceparent=traceparent,
                 request_id=self.request_id,
                 coords=self.coords,
                 prefill_params=prefill_params,
-            )
-            if token is not None:
-                body = first_token.continuation_body(body, token)
-        secret = self.config.auth_secret
-        if secret is not None and self.p is not None and self.config.mode is Mode.PUSH:
-            body["kv_transfer_params"] = sign_decode_params(
-                body["kv_transfer_params"],
-                secret,
-                time.time_ns() // 1_000_000,
-                int(self.config.coords_ttl_s * 1000),
+                remote_num_tokens=None if token is None else len(token.prompt_ids),
+                sign=self._sign if self.config.auth_secret is not None else None,
             )
         headers = legs.leg_headers(self.request_id, traceparent, self._authorization)
         return open_stream(
@@ -367,6 +357,14 @@ class Dispatch:
             headers,
             f"decode transfer_id={self.transfer_id}",
             record=self.p is None,
+        )
+
+    def _sign(self, leg: DecodeLeg) -> DecodeLeg:
+        """The router's signature over P's coordinates, for this transfer only."""
+        assert self.config.auth_secret is not None
+        now_ms = time.time_ns() // 1_000_000
+        return sign_decode_leg(
+            leg, self.config.auth_secret, now_ms, int(self.config.coords_ttl_s * 1000)
         )
 
     # -- serving -----------------------------------------------------------------------
@@ -400,7 +398,7 @@ class Dispatch:
             answer = await self._prefill_first(send)
             if answer is None:
                 return
-            params = answer.get("kv_transfer_params")
+            params = answer.get(PARAMS_FIELD)
             if not isinstance(params, dict):
                 no_params = UpstreamError(
                     502,

@@ -90,13 +90,12 @@ def test_prefill_token_is_read_strictly() -> None:
 
 
 def test_continuation_continues_from_ps_token() -> None:
-    leg = {**STREAM, "min_tokens": 3, "add_special_tokens": True, "kv_transfer_params": {"a": 1}}
-    out = ft.continuation_body(leg, ft.PrefillToken.read(p_answer()))
+    body = {**STREAM, "min_tokens": 3, "add_special_tokens": True}
+    out = ft.continuation_body(body, ft.PrefillToken.read(p_answer()))
     assert out["prompt"] == [1, 2, 9]
     assert (out["max_tokens"], out["min_tokens"]) == (7, 2)
-    assert out["kv_transfer_params"] == {"a": 1, "remote_num_tokens": 2}
     assert "add_special_tokens" not in out
-    assert leg["prompt"] == "hello"  # the router's copy of the client's body is untouched
+    assert body["prompt"] == "hello"  # the router's copy of the client's body is untouched
 
 
 def test_first_event_is_a_vllm_stream_chunk() -> None:
