@@ -92,7 +92,7 @@ def _one_size(
 
 
 def main() -> int:
-    from bench.gpu_paths import MODELS
+    from bench.gpu_shapes import MODELS
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda:0")

@@ -35,34 +35,15 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any
 
 import msgspec
 import numpy as np
 
-BLOCK = 16
+from bench.gpu_shapes import BLOCK, MODELS, Model
+
 RUN_ROUNDS = 600.0  # seconds a worker waits on one command
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    regions: int  # layers x parts
-    heads: int
-    token_bytes: int  # bytes of one (token, head) entry in a region
-
-    @property
-    def row_bytes(self) -> int:
-        return BLOCK * self.heads * self.token_bytes
-
-
-MODELS = {
-    "qwen3-32b-tp8": Model("qwen3-32b-tp8", 64 * 2, 1, 128 * 2),
-    "llama-8b-tp1": Model("llama-8b-tp1", 32, 8, 2 * 128 * 2),
-    "tiny": Model("tiny", 8, 2, 32),
-}
 
 
 # -- block ids ---------------------------------------------------------------------

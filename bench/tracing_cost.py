@@ -33,15 +33,10 @@ from typing import Any
 
 from connector.core import events as ev
 from connector.core.messages import PeerAddr, TraceContext
+from connector.engine_spans import emit_first_token
 from connector.router.tracing import RequestTrace
 from connector.transfer.sender import WriteReport
-from connector.transfer.spans import (
-    NO_SPANS,
-    PrefillNote,
-    RegisterNote,
-    TransferSpans,
-    emit_first_token,
-)
+from connector.transfer.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans
 from telemetry.span_pipe import PipeSpanProcessor
 
 CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" a"}]}\n\n'

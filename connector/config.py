@@ -15,9 +15,14 @@ import msgspec
 from connector.core.auth import MIN_KEY_BYTES
 from connector.core.errors import ConfigError
 from connector.core.state import ReceiverPolicy, SenderPolicy
-from connector.transfer.polling import Backoff
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=24 * 3600)]
+
+
+def _s(ns: int) -> float:
+    """A protocol policy's default in seconds: each timing knob has its one default in
+    ``connector.core.state``'s policies, which this config only converts."""
+    return ns / 1e9
 
 
 class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,26 +54,26 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_host: str = "127.0.0.1"
     side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     # P: how long finished blocks wait for D's registration (renewed by heartbeats).
-    lease_s: Seconds = 30.0
+    lease_s: Seconds = _s(SenderPolicy.lease_ns)
     # P: longest a registration may wait for the prefill it names.
-    max_registration_ttl_s: Seconds = 600.0
+    max_registration_ttl_s: Seconds = _s(SenderPolicy.max_registration_ttl_ns)
     # P: a WRITE running longer than this is cancelled and reported failed. D sends its own
     # value in each registration and P applies the shorter, so D knows when a WRITE into
     # its blocks has ended at the latest.
-    write_timeout_s: Seconds = 30.0
+    write_timeout_s: Seconds = _s(SenderPolicy.write_timeout_ns)
     # D: from registration to the last completion; then D cancels and fails the load. P
     # posts no WRITE after it (each registration says how much of it is left).
-    receive_timeout_s: Seconds = 120.0
+    receive_timeout_s: Seconds = _s(ReceiverPolicy.timeout_ns)
     # D: a P rank that never answers a cancel is given up this long after the latest moment
     # its WRITE could end (receive deadline + write_timeout_s): the margin for a message's
     # one-way delay and an aborted WRITE's wind-down. An answer ends the wait at once.
-    grace_s: Seconds = 10.0
+    grace_s: Seconds = _s(ReceiverPolicy.grace_ns)
     # D: how often it renews P's leases while it waits; P answers a heartbeat for a transfer
     # it already ended, so this also bounds how long a lost `done` or `fail` costs D, and
     # a P whose process died is known as gone at the next one (the send is refused), so
     # its transfers end with peer_lost within this of the death. One notification per P
     # agent per heartbeat, batched, and only while D waits.
-    heartbeat_s: Seconds = 1.0
+    heartbeat_s: Seconds = _s(ReceiverPolicy.heartbeat_interval_ns)
     # Dialing a peer's side channel (metadata exchange) gives up after this long.
     dial_timeout_s: Seconds = 10.0
     # Transfer-thread polling: fast while our own work needs progress (a WRITE in flight,
@@ -106,7 +111,7 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # takes the CPU from P's prefill and D's API server. It returns as soon as
     # a result is in, so it never delays one. 0 turns it off.
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
-    tombstone_s: Seconds = 120.0
+    tombstone_s: Seconds = _s(SenderPolicy.tombstone_ns)
     # GPU only: how P moves KV into a D on its own node. "auto" picks per transfer between
     # NIXL descriptors and a copy kernel into D's KV mapped through CUDA IPC
     # (connector/core/xfer_path.py; scattered blocks move at ~99 % of the contiguous rate
@@ -144,24 +149,13 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def authenticated(self) -> bool:
         return bool(self.auth_secret_file or self.auth_secret_env or self.auth_secret)
 
-    # Test-only: inject faults on a real engine (connector/transfer/faults.py). Absent in
+    # Test-only: inject faults on a real engine (pushkv_testing/faults.py). Absent in
     # production, where nothing is wrapped and nothing costs.
     faults: Faults | None = msgspec.field(default=None, name="_faults")
 
     def idle_poll_s(self, doorbell: bool) -> float:
         """The transfer thread's idle poll: long with a doorbell, short without."""
         return self.poll_idle_bell_s if doorbell else self.poll_idle_s
-
-    def backoff(self, doorbell: bool) -> Backoff:
-        """A transfer thread's polling policy (a new one per thread: it holds state)."""
-        return Backoff(
-            hot_min_s=20e-6,
-            hot_max_s=self.poll_hot_max_s,
-            idle_s=self.idle_poll_s(doorbell),
-            fallback_s=self.poll_bell_fallback_s if doorbell else None,
-            incoming_s=self.poll_incoming_s,
-            trusted_s=self.poll_bell_trusted_s,
-        )
 
     def sender_policy(self) -> SenderPolicy:
         return SenderPolicy(

@@ -32,9 +32,16 @@ from typing import Any
 import msgspec
 
 from connector.core import lifecycle as lc
+from connector.core import pairing
 from connector.core.errors import LocalProtocolError
 from connector.core.events import BlockTable
 from connector.core.lifecycle import Effect, ReqState
+from connector.engine_spans import (
+    emit_first_token,
+    emit_hook_failed,
+    emit_leg_rejected,
+    engine_tracer,
+)
 from connector.kv_params import (
     Coordinates,
     DecodeLeg,
@@ -47,12 +54,6 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
-from connector.transfer.spans import (
-    emit_first_token,
-    emit_hook_failed,
-    emit_leg_rejected,
-    engine_tracer,
-)
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class _Req:
     first_step_ns: int = 0
     local_tokens: int = 0
     load_block: int | None = None  # D: the first block its load writes (vLLM 0.26)
+    # P: the leg came without a transfer_id (a router written for NixlConnector), so the
+    # answer also speaks NixlConnector's terms (core/pairing.py).
+    foreign: bool = False
 
 
 class SchedulerSide:
@@ -141,8 +145,10 @@ class SchedulerSide:
             return
         rid = request.request_id
         try:
+            params, foreign = pairing.adapt(params, rid)  # legs without a transfer_id
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
-                self._reqs[rid] = _Req(request, lc.start(lc.PrefillLegAdded(rid)), prefill=leg)
+                start = lc.start(lc.PrefillLegAdded(rid))
+                self._reqs[rid] = _Req(request, start, prefill=leg, foreign=foreign)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
                 rec = self._decode_record(request, dleg)  # trusted or not: before any dial
                 self._reqs[rid] = rec
@@ -150,7 +156,7 @@ class SchedulerSide:
                 # (notify_kv_transfer_request_rejected), for cleanup: not a second leg.
                 if rec.error and not getattr(request, "abort_immediately", False):
                     self._untrusted(rid, dleg, rec.error)
-        except KvParamsError as exc:
+        except (KvParamsError, pairing.ForeignLegError) as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
             self.recomputed["bad_params"] += 1
@@ -302,7 +308,10 @@ class SchedulerSide:
             return False, None
         out = None
         if rec.prefill is not None:
-            out = {"pushkv": self.coordinates(), "transfer_id": rec.prefill.transfer_id}
+            coords, tid = self.coordinates(), rec.prefill.transfer_id
+            out = {"pushkv": coords, "transfer_id": tid}
+            if rec.foreign and coords is not None:
+                out |= pairing.answer_params(coords, tid)
         stopped = rec.prefill is not None and rec.prefill.release_on_stop and _stopped(request)
         event = lc.PrefillStopped(rid) if stopped else lc.RequestFinished(rid)
         move = self._next(rid, rec, event)
@@ -450,15 +459,16 @@ class SchedulerSide:
 
     def _adopt(self, request: Any) -> _Req | None:
         """A record for a request whose ``on_new_request`` raised, if its leg parses."""
-        params = request.kv_transfer_params
         try:
+            params, foreign = pairing.adapt(request.kv_transfer_params, request.request_id)
             if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
-                rec = _Req(request, lc.start(lc.PrefillLegAdded(request.request_id)), prefill=leg)
+                start = lc.start(lc.PrefillLegAdded(request.request_id))
+                rec = _Req(request, start, prefill=leg, foreign=foreign)
             elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
                 rec = self._decode_record(request, dleg)  # an untrusted leg stays undialed
             else:
                 return None
-        except KvParamsError:
+        except (KvParamsError, pairing.ForeignLegError):
             return None
         self._reqs[request.request_id] = rec
         return rec

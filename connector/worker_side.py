@@ -18,9 +18,10 @@ from typing import Any
 
 from connector.config import PushkvConfig, load_secret
 from connector.core import events as ev
-from connector.core.errors import LayoutError
+from connector.core.errors import ConfigError, LayoutError
 from connector.core.heads import head_range
 from connector.core.messages import FailReason, PeerAddr
+from connector.engine_spans import engine_tracer
 from connector.kv_params import agent_name
 from connector.kv_tensors import block_row_views, describe_kv_caches, physical_order
 from connector.metadata import Handshake, StagedAbort, StepPlan
@@ -28,15 +29,10 @@ from connector.transfer.doorbell import Doorbell
 from connector.transfer.guard import Guard
 from connector.transfer.metrics import RankMetrics, Tee
 from connector.transfer.peers import Peers
+from connector.transfer.polling import Backoff
 from connector.transfer.receiver import Receiver
 from connector.transfer.sender import Sender
-from connector.transfer.spans import (
-    NO_SPANS,
-    PrefillNote,
-    RegisterNote,
-    TransferSpans,
-    engine_tracer,
-)
+from connector.transfer.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans
 from connector.transfer.thread import TransferThread
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.ports import free_port
@@ -104,10 +100,7 @@ class WorkerSide:
         )
         freed = None
         if self.cfg.faults is not None:  # test-only fault injection
-            from connector.transfer.faults import FaultyTransport
-
-            freed = self._freed_check(layout)
-            self._transport = FaultyTransport(self._transport, self.cfg.faults, freed)
+            self._transport, freed = self._with_faults(layout)
         self._transport.register_memory(layout.memory_extents(), layout.mem_type, layout.device_id)
         bell = (
             Doorbell.open(host, self._transport.listen_address[1], guard)
@@ -151,7 +144,7 @@ class WorkerSide:
             receiver=receiver,
             name=f"pushkv-{name}",
             bell=bell,
-            backoff=self.cfg.backoff(bell is not None),
+            backoff=Backoff.from_config(self.cfg, doorbell=bell is not None),
             guard=guard,
             metrics=self._metrics,
         )
@@ -193,19 +186,22 @@ class WorkerSide:
             mode=self.cfg.xfer_paths,
         )
 
-    def _freed_check(self, layout: Any) -> Any:
-        """Test-only: D's check that no WRITE lands in blocks it freed (or None)."""
-        faults = self.cfg.faults
-        if faults is None or not faults.check_freed_tokens or not self.is_consumer:
-            return None
-        from connector.transfer.freed_check import FreedCheck
-
-        return FreedCheck(
-            faults.check_freed_tokens,
+    def _with_faults(self, layout: Any) -> tuple[Any, Any]:
+        """Test-only: the transport wrapped by ``pushkv_testing.faults`` (not in the wheel;
+        a source checkout on ``PYTHONPATH``), and D's freed-block check or None."""
+        try:
+            from pushkv_testing.faults import wrap_transport
+        except ImportError as exc:
+            raise ConfigError(
+                "_faults is test-only: it needs pushkv_testing/ from a source checkout "
+                "on PYTHONPATH"
+            ) from exc
+        return wrap_transport(
+            self._transport,
+            self.cfg,
             layout,
-            self.cfg.receiver_policy(),
-            tracer=engine_tracer(self.engine_id, producer=False),
             engine_id=self.engine_id,
+            consumer=self.is_consumer,
         )
 
     def _spans(self) -> Any:

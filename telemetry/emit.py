@@ -1,16 +1,18 @@
 """Emitting spans with explicit timestamps: the one helper every emitter uses.
 
 Owns: ``parent_context`` (W3C traceparent text -> OpenTelemetry context, through the
-standard propagator) and ``emit`` (one finished span: start, end, attributes, events and an
-error status with a reason). Spans of the push protocol are built after the fact from times
-observed where they happened (the transfer thread, the scheduler), so they are never left
-open across threads and a span is one call. Imports only the OpenTelemetry API.
+standard propagator), ``parent_of`` (the same from a carried trace context) and ``emit``
+(one finished span: start, end, attributes, events and an error status with a reason).
+Spans of the push protocol are built after the fact from times observed where they
+happened (the transfer thread, the scheduler), so they are never left open across threads
+and a span is one call. Imports only the OpenTelemetry API.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -33,6 +35,21 @@ def parent_context(traceparent: str | None, tracestate: str = "") -> Context | N
     if len(traceparent) > 64 or len(tracestate) > 512:  # W3C: 55 and 512 characters
         return _parsed.__wrapped__(traceparent, tracestate)  # not cached: a forged giant
     return _parsed(traceparent, tracestate)
+
+
+class Carrier(Protocol):
+    """A trace context as messages carry it (``connector.core.messages.TraceContext``)."""
+
+    @property
+    def traceparent(self) -> str: ...
+
+    @property
+    def tracestate(self) -> str: ...
+
+
+def parent_of(carrier: Carrier | None) -> Context | None:
+    """``parent_context`` of a carried trace context; None when there is none."""
+    return parent_context(carrier.traceparent, carrier.tracestate) if carrier else None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -80,7 +80,7 @@ class Span(str, Enum):
     HOOK_FAILED = "pushkv.hook_failed"
     # D, test-only (_faults.check_freed_tokens): the blocks of an aborted transfer, filled
     # with a pattern when D freed them -> checked intact until no WRITE may land (error,
-    # reason late_write, when a byte changed; connector/transfer/freed_check.py)
+    # reason late_write, when a byte changed; pushkv_testing/freed_check.py)
     FREED_CHECK = "pushkv.freed_check"
 
 
@@ -142,7 +142,7 @@ class Attr(str, Enum):
     ARRIVAL = "pushkv.router.arrival"
     REASON = "pushkv.reason"  # why a span ended in error
     HOOK = "pushkv.hook"  # on `hook_failed`: the connector hook that raised
-    FAULT = "pushkv.fault"  # an injected fault or check (test-only, connector/transfer/faults.py)
+    FAULT = "pushkv.fault"  # an injected fault or check (test-only, pushkv_testing/faults.py)
     # GenAI semantic conventions
     REQUEST_MODEL = "gen_ai.request.model"
     REQUEST_ID = "gen_ai.request.id"
@@ -175,7 +175,7 @@ class Count(str, Enum):
     SEND_FAILED = "send_failed"  # a notification could not be sent
     HOOK_ERRORS = "hook_errors"  # a connector hook of ours raised
     HOOK_EFFECT = "hook_failed_"  # ... and what letting go of its request did (lifecycle)
-    INJECTED = "injected_"  # a fault injected for a test (connector/transfer/faults.py)
+    INJECTED = "injected_"  # a fault injected for a test (pushkv_testing/faults.py)
 
 
 class RouterMode(str, Enum):

@@ -55,6 +55,8 @@ _SEND_TERMINAL = frozenset(
 
 @dataclass(frozen=True)
 class SenderPolicy:
+    """P's timing. Its defaults are the product's (``PushkvConfig`` only converts them)."""
+
     lease_ns: int = 30_000_000_000  # P holds finished blocks this long without news from D
     max_registration_ttl_ns: int = 600_000_000_000
     write_timeout_ns: int = 30_000_000_000
@@ -467,16 +469,18 @@ class SourceState(enum.Enum):
 
 @dataclass(frozen=True)
 class ReceiverPolicy:
-    timeout_ns: int = 60_000_000_000  # registration sent → last completion
+    """D's timing. Its defaults are the product's (``PushkvConfig`` only converts them)."""
+
+    timeout_ns: int = 120_000_000_000  # registration sent → last completion
     # A source that never answers a cancel is given up only this long after the latest
     # moment its WRITE could end (the receive deadline + write_timeout_ns): a message's
     # one-way delay and an aborted WRITE's wind-down must fit in it.
     grace_ns: int = 10_000_000_000
     # Sent in every registration: a WRITE P posts into our blocks ends (done or aborted)
     # within this long, and P posts none after our receive deadline.
-    write_timeout_ns: int = 30_000_000_000
-    heartbeat_interval_ns: int = 5_000_000_000
-    tombstone_ns: int = 120_000_000_000
+    write_timeout_ns: int = SenderPolicy.write_timeout_ns
+    heartbeat_interval_ns: int = 1_000_000_000
+    tombstone_ns: int = SenderPolicy.tombstone_ns
 
 
 @dataclass

@@ -199,6 +199,7 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     from connector.transfer.doorbell import Doorbell
     from connector.transfer.guard import Guard
     from connector.transfer.peers import Peers
+    from connector.transfer.polling import Backoff
     from connector.transfer.receiver import Receiver
     from connector.transfer.sender import Sender
     from connector.transfer.thread import TransferThread
@@ -233,7 +234,8 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
     peers = Peers(transport, int(spec.dial_timeout_s * 1e9), bell=bell)
     me = RankInfo(spec.engine_id, spec.rank, spec.tp_size, spec.addr)
     reports: list[Any] = []
-    backoff = PushkvConfig().backoff(bell is not None)  # as the plugin's threads poll
+    # as the plugin's threads poll
+    backoff = Backoff.from_config(PushkvConfig(), doorbell=bell is not None)
     if spec.role == "P":
         sender = Sender(
             transport,
@@ -361,7 +363,7 @@ class RankProcess:
     """Parent-side handle of one rank's process."""
 
     def __init__(self, spec: RankSpec, start_timeout_s: float = 120.0, target: Any = None) -> None:
-        """``target``: the child's main (``rank_main``; ``connector.tools.worker_ranks`` runs
+        """``target``: the child's main (``rank_main``; ``pushkv_testing.worker_ranks`` runs
         the worker role instead). Its "ready" reply's extra fields land in ``hello``."""
         ctx = get_context("spawn")
         self.spec = spec

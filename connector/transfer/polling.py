@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.config import PushkvConfig
+
 
 @dataclass(kw_only=True)
 class Backoff:
-    """Built by ``PushkvConfig.backoff`` (where the defaults live) or, in tests, by hand."""
+    """Built by ``from_config`` (the knobs' defaults live in ``PushkvConfig``) or, in
+    tests, by hand. A new one per thread: it holds state."""
 
     hot_min_s: float
     hot_max_s: float
@@ -41,6 +44,18 @@ class Backoff:
     bell_hot_s: float = 0.001
     delay_s: float = 0.0
     hot_until_s: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: PushkvConfig, *, doorbell: bool) -> Backoff:
+        """A transfer thread's polling policy under ``cfg``."""
+        return cls(
+            hot_min_s=20e-6,
+            hot_max_s=cfg.poll_hot_max_s,
+            idle_s=cfg.idle_poll_s(doorbell),
+            fallback_s=cfg.poll_bell_fallback_s if doorbell else None,
+            incoming_s=cfg.poll_incoming_s,
+            trusted_s=cfg.poll_bell_trusted_s,
+        )
 
     def next(
         self,

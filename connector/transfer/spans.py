@@ -4,9 +4,9 @@ scheduler.
 Owns: the notes the engine hands the transfer thread with each event (``PrefillNote``,
 ``RegisterNote``: the trace context and the engine's own timestamps), ``TransferSpans``
 (P: ``prefill``, ``rendezvous_wait``, ``prepare_descriptors``, ``write``; D: ``register``,
-``await_kv``), ``NO_SPANS`` (tracing off: every hook is a no-op), ``emit_first_token``
-(D's scheduler) and ``emit_hook_failed`` (either scheduler: a hook of ours raised). Names
-and keys come from ``telemetry.schema``; nothing here touches vLLM or NIXL.
+``await_kv``) and ``NO_SPANS`` (tracing off: every hook is a no-op); the engine's own
+spans are ``connector.engine_spans``. Names and keys come from ``telemetry.schema``;
+nothing here touches vLLM or NIXL.
 ``TransferSpans`` is called only from the transfer thread, after the fact: a span is one
 ``emit`` call, so no span stays open across threads.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from connector.core import events as ev
 from connector.core.messages import FailReason, TraceContext
-from telemetry.emit import emit, parent_context
-from telemetry.schema import Attr, Event, Outcome, Span
+from telemetry.emit import emit, parent_of
+from telemetry.schema import Attr, Event, Span
 
 # A transfer whose end is never seen (an orphan registration that expired) must not keep
 # its record forever.
@@ -50,10 +50,6 @@ class RegisterNote:
 
     trace: TraceContext | None
     alloc_ns: int
-
-
-def _parent(trace: TraceContext | None) -> Any:
-    return parent_context(trace.traceparent, trace.tracestate) if trace is not None else None
 
 
 def _error(reason: FailReason | str | None) -> str | None:
@@ -134,7 +130,7 @@ class TransferSpans:
         emit(
             self.tracer,
             Span.PREFILL,
-            parent=_parent(note.trace),
+            parent=parent_of(note.trace),
             start_ns=note.arrival_ns or at_ns,
             end_ns=at_ns,
             events=[(Event.SCHEDULED, note.scheduled_ns)],
@@ -153,7 +149,7 @@ class TransferSpans:
         # The transfer serves D's leg: its spans hang under the context D's registration
         # carried (the router's decode_leg, which lasts until D's answer is out), not under
         # P's leg, whose HTTP answer may come back before the WRITE ends.
-        parent = _parent(rec.reg_trace or (rec.note.trace if rec.note else None))
+        parent = parent_of(rec.reg_trace or (rec.note.trace if rec.note else None))
         known = [t for t in (rec.prefill_ns, rec.reg_first_ns) if t]
         start = min(known) if known else end_ns
         first = None
@@ -242,7 +238,7 @@ class TransferSpans:
         rec = self._recv.pop(tid, None)
         if rec is None:
             return
-        parent, common = _parent(rec.note.trace), self._common(tid, rec.request_id)
+        parent, common = parent_of(rec.note.trace), self._common(tid, rec.request_id)
         sent = rec.sent_ns or at_ns
         emit(
             self.tracer,
@@ -276,104 +272,3 @@ def _nothing(*_args: Any, **_kwargs: Any) -> None:
 
 
 NO_SPANS: Any = _NoSpans()
-
-
-def emit_first_token(
-    tracer: Any,
-    trace: TraceContext | None,
-    *,
-    transfer_id: str,
-    request_id: str,
-    engine_id: str,
-    kv_ns: int,
-    scheduled_ns: int,
-    out_ns: int,
-    local_tokens: int,
-    error: str | None = None,
-) -> None:
-    """D: KV complete (as the scheduler learned it) -> first token out of the engine."""
-    emit(
-        tracer,
-        Span.FIRST_TOKEN,
-        parent=_parent(trace),
-        start_ns=kv_ns,
-        end_ns=out_ns,
-        events=[(Event.SCHEDULED, scheduled_ns)],
-        attributes={
-            **_request_attrs(transfer_id, request_id, engine_id),
-            Attr.LOCAL_TOKENS: local_tokens,
-        },
-        error=error,
-    )
-
-
-def _request_attrs(transfer_id: str, request_id: str, engine_id: str) -> dict[Attr, Any]:
-    return {Attr.TRANSFER_ID: transfer_id, Attr.REQUEST_ID: request_id, Attr.ENGINE_ID: engine_id}
-
-
-def emit_leg_rejected(
-    tracer: Any,
-    trace: TraceContext | None,
-    *,
-    transfer_id: str,
-    request_id: str,
-    engine_id: str,
-    peer: str,
-    reason: str,
-    at_ns: int,
-) -> None:
-    """D: a decode leg whose P coordinates D does not trust (docs/security.md); D computes
-    the prompt itself or refuses it (``untrusted_leg``), and dials nothing. An instant, in
-    error, with the reason."""
-    if tracer is None:
-        return
-    emit(
-        tracer,
-        Span.LEG_REJECTED,
-        parent=_parent(trace),
-        start_ns=at_ns,
-        end_ns=at_ns,
-        attributes={**_request_attrs(transfer_id, request_id, engine_id), Attr.PEER: peer},
-        error=reason,
-    )
-
-
-def emit_hook_failed(
-    tracer: Any,
-    trace: TraceContext | None,
-    *,
-    hook: str,
-    transfer_id: str | None,
-    request_id: str,
-    engine_id: str,
-    at_ns: int,
-) -> None:
-    """P or D: a hook of ours raised for this request, which was let go of definitely."""
-    emit(
-        tracer,
-        Span.HOOK_FAILED,
-        parent=_parent(trace),
-        start_ns=at_ns,
-        end_ns=at_ns,
-        attributes={
-            Attr.TRANSFER_ID: transfer_id,
-            Attr.REQUEST_ID: request_id,
-            Attr.ENGINE_ID: engine_id,
-            Attr.HOOK: hook,
-        },
-        error=Outcome.HOOK_ERROR.value,
-    )
-
-
-def engine_tracer(engine_id: str, *, producer: bool, host: str = "") -> Any:
-    """The tracer of a vLLM engine process (scheduler or worker), or None when tracing is
-    off. P's processes are ``pushkv-prefill``, D's ``pushkv-decode`` (OTEL_SERVICE_NAME
-    overrides); ``host`` is the address the engine advertises to its peers."""
-    from telemetry.schema import Resource, Service
-    from telemetry.setup import process_tracer
-
-    service, role = (Service.PREFILL, "prefill") if producer else (Service.DECODE, "decode")
-    attributes = {Resource.ENGINE_ID.value: engine_id}
-    if host:
-        attributes[Resource.HOST_ADDR.value] = host
-    return process_tracer(service.value, role=role, attributes=attributes)

@@ -119,7 +119,7 @@ class TransferThread:
         metrics: RankMetrics | None = None,
     ) -> None:
         """``backoff``: the polling policy (default: ``PushkvConfig``'s defaults for
-        this ``bell``, as ``PushkvConfig.backoff`` builds it). ``guard``: opens incoming
+        this ``bell``, as ``Backoff.from_config`` builds it). ``guard``: opens incoming
         notifications (refuses unauthenticated ones when it holds a secret). ``metrics``:
         where this thread publishes its census for vLLM's /metrics
         (``connector.transfer.metrics``)."""
@@ -127,7 +127,9 @@ class TransferThread:
         if sender is None and receiver is None:
             raise ValueError("a transfer thread needs a sender, a receiver or both")
         self._t, self._peers, self.sender, self.receiver = transport, peers, sender, receiver
-        self._backoff = backoff if backoff is not None else PushkvConfig().backoff(bell is not None)
+        if backoff is None:
+            backoff = Backoff.from_config(PushkvConfig(), doorbell=bell is not None)
+        self._backoff = backoff
         self._clock = clock
         self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
         self._bell = bell

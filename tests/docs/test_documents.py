@@ -193,6 +193,50 @@ def test_every_module_keeps_its_layers_import_rules() -> None:
     assert not found, "\n".join(found)
 
 
+def test_the_import_graph_has_no_cycle() -> None:
+    found = layers.cycles()
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_layer_rules_catch_the_arrows_that_point_up(tmp_path: Path) -> None:
+    """config.py below transfer/, scheduler_side.py away from it, test-only code out of the
+    product but for worker_side's lazy ``_faults`` hook."""
+    root = _tree(
+        tmp_path,
+        {
+            "connector/config.py": "from connector.transfer.polling import Backoff\n",
+            "connector/scheduler_side.py": "from connector.transfer.spans import NO_SPANS\n",
+            "connector/plugin.py": "def f():\n    import pushkv_testing.faults\n",
+            "connector/worker_side.py": "def f():\n    import pushkv_testing.faults\n",
+            "connector/stats.py": "import bench.soak\n",
+        },
+    )
+    found = layers.violations(root)
+    for rel in ("config.py", "scheduler_side.py", "plugin.py", "stats.py"):
+        assert any(v.startswith(f"connector/{rel} imports") for v in found), (rel, found)
+    assert not any(v.startswith("connector/worker_side.py") for v in found), found
+
+
+def test_cycles_count_lazy_imports_and_not_type_checking_ones(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "bench/a.py": "def f():\n    from bench.b import x\n",
+            "bench/b.py": "import bench.a\n",
+            "bench/c.py": "import typing\nif typing.TYPE_CHECKING:\n    import bench.d\n",
+            "bench/d.py": "from bench import c\n",
+        },
+    )
+    assert layers.cycles(root) == [["bench.a", "bench.b"]]
+
+
 def _defaults(target: str) -> dict[str, Any]:
     module, _, name = target.partition(":")
     obj = getattr(importlib.import_module(module), name)

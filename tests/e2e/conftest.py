@@ -28,6 +28,11 @@ from connector.tools.tinymodel import make_tiny_model
 
 # Children inherit this; the tests never reach the hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Engines under test-only ``_faults`` import pushkv_testing/, which is not in the wheel.
+_ROOT = str(Path(__file__).resolve().parents[2])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

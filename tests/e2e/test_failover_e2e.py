@@ -3,7 +3,7 @@ clients; kill -9 of P's process group; P restarted.
 
 D runs vLLM's default ``kv_load_failure_policy: fail`` (a failed load is a 500 on the decode
 leg) and pushkv's default heartbeat (1 s), the router its default health interval. P holds
-the WRITE of one chosen prompt (test-only ``_faults``, connector/transfer/faults.py) and is
+the WRITE of one chosen prompt (test-only ``_faults``, pushkv_testing/faults.py) and is
 killed while it does, so one request is certain to be caught where the issue saw stalls of
 10-35 s and a 500: P answered its leg, D still waits for the KV. D must learn that P is
 gone at its next heartbeat, answer 500, and the router must see that P (not D) failed and

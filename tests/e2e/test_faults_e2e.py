@@ -3,10 +3,10 @@ within a bounded time, and the pair keeps serving.
 
 One P/D stack for the whole module, with deadlines configured short (D: receive 1 s, write
 0.9 s, grace 1 s, heartbeat 0.25 s; P: lease 2 s) and the test-only ``_faults`` on
-(connector/transfer/faults.py): P fails the WRITE of a 41-token prompt, D loses the first
+(pushkv_testing/faults.py): P fails the WRITE of a 41-token prompt, D loses the first
 ``done`` of a 43-token prompt, D's ``update_state_after_alloc`` raises for a 47-token
 prompt, and P holds the WRITE of a 53-token prompt until D's cancel has come while D checks
-the blocks it frees for it (connector/transfer/freed_check.py). D's policy is
+the blocks it frees for it (pushkv_testing/freed_check.py). D's policy is
 ``recompute``, so the client's answer must equal the single instance's whatever failed.
 The tests run in file order; the later ones kill and restart servers (kill -9 of the whole
 process group, by PID), so each leaves the stack healthy for the next.
@@ -31,7 +31,7 @@ import pytest
 
 from connector.tools.pdstack import PdStack, RouterProcess, metric_sum
 from connector.tools.stack import VllmServer, free_port
-from connector.transfer.faults import POSTED_AFTER_CANCEL, POSTED_UNCANCELLED
+from pushkv_testing.faults import POSTED_AFTER_CANCEL, POSTED_UNCANCELLED
 from telemetry.otlp_json import SpanRecord, StatusCode
 from telemetry.schema import Attr, Outcome, Span
 from telemetry.traces import read_run
@@ -302,7 +302,7 @@ def test_cancel_while_ps_write_is_in_flight_never_lands_in_freed_blocks(fx: Fx) 
     """P holds the WRITE of a 53-token prompt in flight; the client leaves meanwhile, so D
     cancels, and only then does P post it. D must free its blocks only on P's answer: it
     fills them with a pattern as it frees them, and checks the pattern until no WRITE may
-    land (connector/transfer/freed_check.py); tests/unit/transfer/test_freed_check.py shows
+    land (pushkv_testing/freed_check.py); tests/unit/transfer/test_freed_check.py shows
     the check catching a late WRITE when the rule is broken."""
     trace_id = uuid.uuid4().hex
     held = fx.stack.prefill.log.read_text(errors="replace").count("injected: hold_write")

@@ -20,7 +20,7 @@ import torch
 from connector.core import events as ev
 from connector.tools.loopback import RankProcess, RankSpec, expected_event
 from connector.tools.stack import free_port
-from connector.tools.worker_ranks import WorkerRank
+from pushkv_testing.worker_ranks import WorkerRank
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 

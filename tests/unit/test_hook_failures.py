@@ -1,6 +1,6 @@
 """A hook of ours that raises lets go of its request definitely (issue #21, item 2), and the
 test-only fault injection that makes it (and a failed WRITE, a lost ``done``) happen on
-purpose (connector/transfer/faults.py).
+purpose (pushkv_testing/faults.py).
 
 The guard is plugin.py's own decorator, on a stand-in connector around the real
 SchedulerSide; the vLLM objects are the small stand-ins of test_scheduler_side.py.
@@ -21,8 +21,8 @@ from connector.core.state import ReceiverPolicy
 from connector.metadata import StepPlan
 from connector.plugin import _guard
 from connector.scheduler_side import SchedulerSide
-from connector.transfer.faults import FaultyTransport
 from connector.worker_side import WorkerSide
+from pushkv_testing.faults import FaultyTransport
 from telemetry.schema import Count
 from tests.unit.test_endpoints import MS, Pair
 from tests.unit.test_scheduler_side import (

@@ -53,6 +53,7 @@ from connector.tools.bench.run_folder import (
 from connector.tools.bench.stacks import (
     CONFIGS,
     DEFAULT_CONFIGS,
+    NOPROG_MARKER,
     QUICK_CONFIGS,
     BenchConfig,
     BenchStack,
@@ -73,8 +74,6 @@ from connector.tools.stack import ServerError, group_pids
 from connector.tools.tinymodel import make_tiny_model
 from telemetry.traces import RunFolderError, read_run
 
-# Must equal connector.tools.bench.vllm_noprog.PATCHED_MARKER (not imported here: it imports vLLM).
-NOPROG_MARKER = "NIXL agents default to enable_prog_thread=False"
 STACK_START_TIMEOUT_S = 300.0
 WARMUP_SEED = 999
 # Log lines worth counting after each configuration (label: substring of the line).

@@ -35,6 +35,9 @@ from connector.tools.pdstack import CONNECTORS, ConnectorSpec, PdStack
 from connector.tools.stack import ServerError, group_pids, port_is_free
 
 NOPROG_MODULE = "connector.tools.bench.vllm_noprog"
+# The line vllm_noprog logs once its patch is active; must equal its PATCHED_MARKER (not
+# imported here: it imports vLLM).
+NOPROG_MARKER = "NIXL agents default to enable_prog_thread=False"
 KEEPCPU_MODULE = "connector.tools.bench.vllm_keepcpu"
 # connector.tools.bench.vllm_keepcpu.KEEP_CPU_BINDING_KEY: undo vLLM's pin of P's and D's model
 # runners to the same core (without it the progress-thread-off stacks livelock on 2 cores).

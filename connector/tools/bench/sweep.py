@@ -43,9 +43,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from connector.tools.bench import sweep_points, trace_slices
-from connector.tools.bench.serve_bench import NOPROG_MARKER
 from connector.tools.bench.single import SINGLE, SINGLE_DESCRIPTION, SingleStack
-from connector.tools.bench.stacks import CONFIGS, make_stack, on_free_ports, stop_and_check
+from connector.tools.bench.stacks import (
+    CONFIGS,
+    NOPROG_MARKER,
+    make_stack,
+    on_free_ports,
+    stop_and_check,
+)
 from connector.tools.bench.sweep_points import Point, SweepPlan
 from connector.tools.bench.vllm_bench import RunFailure, Workload, bench_command, run_bench_serve
 from connector.tools.stack import ServerError

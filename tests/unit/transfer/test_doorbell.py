@@ -329,7 +329,7 @@ def test_an_idle_thread_sleeps_long_yet_wakes_for_a_deadline_on_time() -> None:
 
     pair = Pair()
     bell = Doorbell("127.0.0.1", 0)
-    backoff = PushkvConfig(poll_idle_bell_s=5.0).backoff(doorbell=True)
+    backoff = Backoff.from_config(PushkvConfig(poll_idle_bell_s=5.0), doorbell=True)
     thread = TransferThread(
         pair.tp, pair.sender.peers, sender=pair.sender, bell=bell, backoff=backoff
     )

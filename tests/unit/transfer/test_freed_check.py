@@ -21,9 +21,9 @@ from connector.core import messages as m
 from connector.core import state
 from connector.core.errors import ConfigError
 from connector.core.state import ReceiverPolicy, RecvRecord, RecvState, SourceState
-from connector.transfer.faults import FaultyTransport
-from connector.transfer.freed_check import PATTERN, FreedCheck
 from connector.transfer.metrics import Tee
+from pushkv_testing.faults import FaultyTransport
+from pushkv_testing.freed_check import PATTERN, FreedCheck
 from telemetry.schema import Attr, Count, Outcome, Span
 from tests.unit.telemetry.memory import Recorder
 from tests.unit.test_endpoints import MS, Pair

@@ -4,9 +4,11 @@ Owns: failing a WRITE's post (P), holding a WRITE in flight until D's cancel for
 arrived (P), and losing a transfer's first ``done`` notification (D), for transfers whose
 prompt has a chosen number of tokens (the registration says it), so a test picks the
 faulty request by its prompt; on D it also feeds and polls the freed-block check
-(``connector.transfer.freed_check``). Configured by ``kv_connector_extra_config``'s
+(``pushkv_testing.freed_check``). Configured by ``kv_connector_extra_config``'s
 ``_faults`` (``connector.config.Faults``, docs/operations.md#fault-injection-test-only);
-absent by default, when nothing is wrapped and nothing costs. Never for production.
+absent by default, when nothing is wrapped and nothing costs. Never for production, and
+not in the wheel: ``connector.worker_side`` imports this module only when ``_faults`` is set
+(``wrap_transport``), which needs this folder on the engine's ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from connector.config import Faults
+from connector.config import Faults, PushkvConfig
 from connector.core import messages as m
 from connector.core.errors import RemoteProtocolError, TransportError
-from connector.transfer.freed_check import FreedCheck
+from connector.engine_spans import engine_tracer
 from connector.transport.base import WriteHandle, validate_write_descs
+from pushkv_testing.freed_check import FreedCheck
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -161,3 +164,22 @@ class FaultyTransport:
             self._inner.release(held.inner)
         else:
             self._held.pop(held.tid, None)  # aborted before it was posted: never is
+
+
+def wrap_transport(
+    transport: Any, cfg: PushkvConfig, layout: Any, *, engine_id: str, consumer: bool
+) -> tuple[FaultyTransport, FreedCheck | None]:
+    """The worker's transport under ``cfg.faults``, and D's freed-block check (None unless
+    ``check_freed_tokens`` is set on D; it also listens to the receiver's reports)."""
+    faults = cfg.faults
+    assert faults is not None
+    freed = None
+    if faults.check_freed_tokens and consumer:
+        freed = FreedCheck(
+            faults.check_freed_tokens,
+            layout,
+            cfg.receiver_policy(),
+            tracer=engine_tracer(engine_id, producer=False),
+            engine_id=engine_id,
+        )
+    return FaultyTransport(transport, faults, freed), freed
