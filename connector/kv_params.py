@@ -13,6 +13,7 @@ or its allowlist (``LegTrust``) before it dials anything.
 
 from __future__ import annotations
 
+import copyreg
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
@@ -34,6 +35,18 @@ class KvParamsError(ValueError):
 
 # The request field (and answer field) vLLM carries a leg's parameters in.
 PARAMS_FIELD: Final = "kv_transfer_params"
+
+
+def _unset() -> UnsetType:
+    return UNSET
+
+
+# Legs travel pickled in each step's metadata (EngineCore -> workers). UNSET reduces to a
+# bare name with no __module__, so pickle looks it up in every loaded module, and a lazy
+# one raises on the lookup (transformers' models import torchvision, absent on CPU): every
+# leg with an unset field then killed the engine. Reduced by this module's function instead
+# (vLLM's pickler keeps copyreg's table).
+copyreg.pickle(UnsetType, lambda _: (_unset, ()))
 
 
 class Leg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+
+import msgspec
 import pytest
 
 from connector.config import parse_config
@@ -75,3 +78,13 @@ def test_legs_parse_and_ignore_other_keys() -> None:
 def test_malformed_decode_leg(bad: dict) -> None:
     with pytest.raises(KvParamsError, match="kv_transfer_params|remote_"):
         parse_decode_leg(bad)
+
+
+def test_a_leg_with_unset_fields_pickles_by_name() -> None:
+    """Legs travel pickled in a step's metadata; UNSET goes by kv_params' own reducer, never
+    by pickle's search of every loaded module (a lazy module raises there, in the engine)."""
+    leg = parse_prefill_leg({"do_remote_decode": True, "transfer_id": "t1"})
+    assert leg is not None and leg.tracestate is msgspec.UNSET
+    data = pickle.dumps(leg, protocol=pickle.HIGHEST_PROTOCOL)
+    assert b"connector.kv_params" in data and b"_unset" in data
+    assert pickle.loads(data) == leg
