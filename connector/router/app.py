@@ -4,8 +4,8 @@ Owns: ``RouterState`` (everything one app instance holds: backends, in-flight ba
 tasks, counters; no module globals), ``create_app(config)``, the endpoints
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
 ``/router/stats``, ``/metrics``), the ids and timings every answer carries
-(``traceresponse``, ``Server-Timing``), the attempts of one request (retry before the
-first byte, degraded mode), the client-disconnect watch, and ``main(argv)`` (uvicorn).
+(``traceresponse``, ``Server-Timing``), the client-disconnect watch, and ``main(argv)``
+(uvicorn). Each request's attempts are ``relay.serve_request``'s.
 
 Must not import: vLLM, NIXL, torch (the router runs in its own process, next to neither).
 """
@@ -20,7 +20,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Final
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -31,18 +31,18 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from connector.router import arrival, legs, priority
+from connector.router.answer import SSE_DONE
 from connector.router.apikey import ApiKeyGate
-from connector.router.backends import Backends, Lease, Role
+from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
 from connector.router.looplag import LoopLag
 from connector.router.metrics import RouterMetrics
-from connector.router.relay import SSE_DONE, Dispatch, Retry, from_exception, send_error
+from connector.router.relay import DEGRADED, serve_request
 from connector.router.tracing import RequestTrace
-from connector.router.upstream import TransportError
+from connector.router.upstream import TransportError, from_exception
 from telemetry.schema import Outcome
 
 logger = logging.getLogger(__name__)
-DEGRADED: Final = {"reason": "degraded: no prefill server usable, D computes the prompt"}
 
 
 class RouterState:
@@ -52,7 +52,7 @@ class RouterState:
         self.config = config
         self.tracer = tracer  # None: tracing off
         self.backends = Backends(config)
-        # P legs still running after D's answer went out (see relay.Dispatch._cleanup).
+        # P legs still running after D's answer went out (see attempt.Attempt.cleanup).
         self.background: set[asyncio.Task[Any]] = set()
         self.responses: Counter[int] = Counter()
         self.retries: Counter[str] = Counter()  # attempts retried, by the failed leg's role
@@ -240,8 +240,17 @@ class ProxyEndpoint:
         async with anyio.create_task_group() as tg:
             tg.start_soon(exchange.watch_disconnect, receive, tg.cancel_scope)
             try:
-                return await self._attempts(
-                    scope, receive, request, body, request_id, trace, counted
+                return await serve_request(
+                    self.state,
+                    self.endpoint,
+                    body,
+                    request_id=request_id,
+                    trace=trace,
+                    authorization=self._forwarded_authorization(request),
+                    send=counted,
+                    unavailable=lambda reason: error_response(503, reason, "service_unavailable")(
+                        scope, receive, counted
+                    ),
                 )
             finally:
                 tg.cancel_scope.cancel()
@@ -252,87 +261,6 @@ class ProxyEndpoint:
         its own: with ``--api-key`` it holds the router's key, and a backend key replaces it."""
         c = self.state.config
         return None if c.api_key or c.backend_api_key else request.headers.get("authorization")
-
-    def _route(self, failed: dict[Role, set[int]]) -> tuple[Lease | None, Lease | None]:
-        """P and D for the next attempt, avoiding the backends this request failed on. P is
-        None with D set for a degraded attempt: no P usable (none healthy, or the only ones
-        failed this request before its first byte), degraded mode on: losing a P mid-flight
-        costs the request a local prefill on D, not an error."""
-        backends = self.state.backends
-        p = backends.acquire(Role.PREFILL, frozenset(failed[Role.PREFILL]))
-        if p is None and not self.state.config.degraded:
-            return None, None
-        d = backends.acquire(Role.DECODE, frozenset(failed[Role.DECODE]))
-        if d is None and p is not None:
-            p.release()
-            p = None
-        return p, d
-
-    async def _attempts(
-        self,
-        scope: Scope,
-        receive: Receive,
-        request: Request,
-        body: dict[str, Any],
-        request_id: str,
-        trace: RequestTrace,
-        send: Send,
-    ) -> str | None:
-        """Up to ``max_attempts`` dispatches, each with a fresh transfer_id, while every leg
-        failure so far came before the client's first byte."""
-        state, max_attempts = self.state, self.state.config.max_attempts
-        failed: dict[Role, set[int]] = {Role.PREFILL: set(), Role.DECODE: set()}
-        last: Retry | None = None
-        for attempt in range(1, max_attempts + 1):
-            route_start = time.time_ns()
-            p, d = self._route(failed)
-            if d is None:
-                trace.routed(route_start, None, None, None, error="no_backend")
-                trace.attempted(attempt - 1, degraded=False)
-                if last is not None:  # nothing left to retry on: the last failure answers
-                    await send_error(send, last.error, request_id)
-                    return last.error.message
-                reason = state.backends.unavailable_reason() or "no healthy backend"
-                await error_response(503, reason, "service_unavailable")(scope, receive, send)
-                return "no_backend"
-            if p is not None:
-                trace.routed(route_start, p.backend.url, d.backend.url, d.backend.load.outstanding)
-            else:
-                state.degraded += 1
-                trace.routed(
-                    route_start, None, d.backend.url, d.backend.load.outstanding, **DEGRADED
-                )
-            trace.attempted(attempt, degraded=p is None)
-            dispatch = Dispatch(
-                state.config,
-                self.endpoint,
-                body,
-                p,
-                d,
-                request_id=request_id,
-                trace=trace,
-                authorization=self._forwarded_authorization(request),
-                background=state.background,
-                may_retry=attempt < max_attempts,
-            )
-            await dispatch.serve(send)
-            if dispatch.retry is None:
-                return None
-            last = dispatch.retry
-            await dispatch.settled()
-            leg = dispatch.p if last.role is Role.PREFILL else dispatch.d
-            assert leg is not None
-            failed[last.role].add(leg.backend.index)
-            state.retries[last.role.value] += 1
-            trace.attempt_failed(attempt, last.role.value, last.error.message)
-            logger.warning(
-                "router request_id=%s attempt %d failed before its first byte (%s leg): %s",
-                request_id,
-                attempt,
-                last.role.value,
-                last.error.message,
-            )
-        raise AssertionError("the last attempt answers the client")  # may_retry was False
 
 
 def create_app(

@@ -1,7 +1,8 @@
 """The router's spans of one request: ``request`` (root), ``route``, ``prefill_leg``,
-``decode_leg`` and ``first_byte`` (telemetry/schema.py has the tree).
+``decode_leg`` and ``first_byte`` (telemetry/schema.py has the tree), and the trace id in
+a stream's closing events (``TraceStamp``).
 
-Owns: ``RequestTrace``, which the endpoint and ``relay.Dispatch`` call at each step of a
+Owns: ``RequestTrace``, which the endpoint and ``attempt.Attempt`` call at each step of a
 request (all on the event loop), and which makes the ``traceparent`` each leg carries: the
 P leg's names ``prefill_leg`` as parent, the D leg's ``decode_leg``, so P's and D's spans
 hang under the leg that caused them. It also watches D's answer as it is relayed: the
@@ -27,6 +28,8 @@ from connector.router.arrival import Arrival
 from telemetry.emit import context_of, emit, parent_context, traceparent_of
 from telemetry.schema import Attr, Event, Outcome, Span
 
+_FINISHED = re.compile(rb'"finish_reason":\s*"')
+_USAGE_ONLY = re.compile(rb'"choices":\s*\[\]')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
@@ -343,3 +346,35 @@ def _end(span: Any, error: str | None) -> None:
 
 def _ends_in(seen: bytes, chunk: bytes, pattern: bytes) -> int:
     return seen[-(len(chunk) + len(pattern) - 1) :].count(pattern)
+
+
+class TraceStamp:
+    """Puts ``"pushkv_trace_id"`` into a stream's closing events (a choice's finish, the
+    usage event), a field OpenAI clients ignore. It passes whole SSE events on as soon as
+    they are complete (a client cannot use half an event anyway), so it delays nothing."""
+
+    def __init__(self, trace_id: str) -> None:
+        self._field = b'"pushkv_trace_id":"' + trace_id.encode() + b'",'
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._rest + chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._rest = data
+            return b""
+        ready, self._rest = data[:cut], data[cut:]
+        if not (_FINISHED.search(ready) or _USAGE_ONLY.search(ready)):
+            return ready  # the usual event: as it came
+        return b"\n\n".join(self._stamp(e) for e in ready.split(b"\n\n"))
+
+    def _stamp(self, event: bytes) -> bytes:
+        if event.startswith(b"data: {") and (
+            _FINISHED.search(event) or (_USAGE_ONLY.search(event) and b'"usage":{' in event)
+        ):
+            return b"data: {" + self._field + event[7:]
+        return event
+
+    def flush(self) -> bytes:
+        rest, self._rest = self._rest, b""
+        return rest

@@ -12,7 +12,7 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.router.relay import TraceStamp
+from connector.router.tracing import TraceStamp
 from telemetry.schema import EXEMPLAR_TRACE_ID, METRICS, Metric
 from tests.unit.router.conftest import Cluster, MakeCluster
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.router import relay
-from connector.router.relay import PREFILL_FAILED, PrefillWatch, UpstreamError
+from connector.router import watch as watch_module
+from connector.router.upstream import UpstreamError
+from connector.router.watch import PREFILL_FAILED, PrefillWatch
 
 pytestmark = pytest.mark.anyio
 
@@ -28,13 +29,13 @@ async def test_p_failing_mid_await_interrupts_it() -> None:
 
 
 def _no_cancel_scopes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make relay's cancel scope fail: the plain-await path must not open one (a scope per
-    streamed chunk was ~30 % of the router's CPU)."""
+    """Make the watch module's cancel scope fail: the plain-await path must not open one
+    (a scope per streamed chunk is a large share of the router's CPU)."""
 
     def boom() -> None:
         raise AssertionError("a cancel scope was opened")
 
-    monkeypatch.setattr(relay, "anyio", SimpleNamespace(CancelScope=boom))
+    monkeypatch.setattr(watch_module, "anyio", SimpleNamespace(CancelScope=boom))
 
 
 async def test_after_p_succeeded_awaits_are_plain(monkeypatch: pytest.MonkeyPatch) -> None:
