@@ -61,7 +61,7 @@ TRANSFER_MODE: Final = "push"
 
 
 class ForeignLegError(ValueError):
-    """A leg from a router written for NixlConnector that cannot be paired; says why."""
+    """A D leg naming P's ranks inconsistently (``remote_engine_id``); says why."""
 
 
 def request_key(request_id: str) -> str:
@@ -107,9 +107,7 @@ def adapt(params: Any, request_id: str) -> tuple[Any, bool]:
     if params.get("do_remote_prefill"):
         rrid = params.get("remote_request_id")
         if not isinstance(rrid, str) or not rrid:
-            raise ForeignLegError(
-                "kv_transfer_params: a decode leg needs transfer_id or remote_request_id"
-            )
+            return _decode_fields(params), False  # the leg's schema says what is missing
         tid = transfer_id_for(decode_key(rrid, request_id))
         return _decode_fields({**params, "transfer_id": tid}), True
     return params, False

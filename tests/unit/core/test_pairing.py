@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from connector.core import pairing
 from connector.core.messages import TransferId
-from connector.kv_params import agent_name, parse_decode_leg, parse_prefill_leg
+from connector.kv_params import KvParamsError, agent_name, parse_decode_leg, parse_prefill_leg
 
 # What vllm-router 0.1.17 sends P (observed against stand-in servers).
 VLLM_ROUTER_P_LEG = {
@@ -114,9 +114,11 @@ def test_pushkv_legs_and_non_legs_pass_unchanged(params: object) -> None:
     assert pairing.adapt(params, "cmpl-r-0-1a2b3c4d") == (params, False)
 
 
-def test_a_decode_leg_without_any_id_is_refused_with_the_reason() -> None:
-    with pytest.raises(pairing.ForeignLegError, match="transfer_id or remote_request_id"):
-        pairing.adapt({"do_remote_prefill": True, "remote_engine_id": "p"}, "cmpl-r-0-1a2b3c4d")
+def test_a_decode_leg_without_any_id_is_left_to_its_schema() -> None:
+    params, derived = pairing.adapt({"do_remote_prefill": True}, "cmpl-r-0-1a2b3c4d")
+    assert not derived
+    with pytest.raises(KvParamsError, match="transfer_id"):
+        parse_decode_leg(params)
 
 
 COORDS = {"engine_id": "prefill", "host": "127.0.0.1", "port": 5600, "tp_size": 1}
