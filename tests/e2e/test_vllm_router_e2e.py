@@ -1,0 +1,290 @@
+"""pushkv behind routers written for vLLM's NixlConnector: ``vllm-router`` (PyPI, in its
+``--vllm-pd-disaggregation --kv-connector nixl`` mode) and a minimal sequential proxy.
+
+One P and one D with PushConnector, exactly as behind pushkv's own router; nothing about
+them knows which router is in front. Checks: greedy outputs equal the single instance's
+(tests/e2e/greedy.py's rule) for the cold first request, which vllm-router sends
+sequentially (P's answer first, then D), and for the concurrent requests after it, which it
+sends to P and D at once (P's answer said ``transfer_mode: "push"``); D computes no prompt
+token itself (``vllm:prompt_tokens_by_source_total``: external only); the transfers are
+paired by vllm-router's X-Request-Id (P's ``rendezvous_wait`` spans name it); a sequential
+proxy (P first, then D with P's returned ``kv_transfer_params``, as vLLM's toy proxy and
+llm-d's sidecar do) gives the same; and a D leg whose P never got the request ends at D's
+own receive deadline, computed by D (vllm-router never aborts D).
+
+Every process is started here and stopped by PID (its process group) on the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+import httpx
+import pytest
+
+from connector.tools.pdstack import PdStack
+from connector.tools.stack import ChildProcess, Stack, free_port
+from tests.e2e.greedy import assert_matches_reference, greedy_body
+from tests.e2e.test_push_e2e import (
+    post_ok,
+    random_prompt,
+    settled_source_tokens,
+    source_tokens,
+)
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm_router") is None,
+        reason="vllm-router is not installed (pip install -e '.[test]')",
+    ),
+]
+
+CONCURRENT = 19  # after the cold first request: 20 prompts in all
+LENGTHS = (20, 64, 127, 128, 129, 200, 300)
+HTTP_TIMEOUT_S = 180.0
+# D's own deadlines, short enough for the test where P never gets the request (default 120
+# s); still far above a transfer's time on this box. write_timeout_s < receive_timeout_s.
+RECEIVE_TIMEOUT_S = 8.0
+WRITE_TIMEOUT_S = 4.0
+# D gives up at its receive deadline, waits for P's answer to its cancel, then computes.
+P_FAILED_BOUND_S = RECEIVE_TIMEOUT_S + 20.0
+SPANS_WAIT_S = 30.0
+RENDEZVOUS = "pushkv.rendezvous_wait"
+FIRST_ARRIVED = "pushkv.rendezvous.first"
+TRANSFER_ID = "pushkv.transfer_id"
+
+
+@dataclass
+class VllmRouterProcess(ChildProcess):
+    """``vllm-router`` in vLLM's NIXL P/D mode in front of one P and one D; healthy when
+    its ``/health`` answers 200."""
+
+    kind: ClassVar[str] = "vllm-router"
+    prefill_url: str
+    decode_url: str
+    port: int
+    prometheus_port: int
+    log_path: Path | None = None
+    host: str = "127.0.0.1"
+    _proc: Any = field(default=None, init=False, repr=False)
+    _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm_router.launch_router",
+            "--vllm-pd-disaggregation",
+            "--kv-connector",
+            "nixl",
+            "--prefill",
+            self.prefill_url,
+            "--decode",
+            self.decode_url,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--request-timeout-secs",
+            str(int(HTTP_TIMEOUT_S)),
+        ]
+
+    def start(self) -> None:
+        self._spawn(dict(os.environ))
+
+
+@dataclass
+class Stand:
+    stack: PdStack
+    router: httpx.Client
+    prefill: httpx.Client
+    decode: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Stand]:
+    """P and D (PushConnector, as PdStack configures them) and vllm-router in front; P and D
+    first (the router checks its workers when it starts)."""
+    stack = PdStack(
+        tiny_model,
+        e2e_log_dir / "vllm-router",
+        decode_extra_config={
+            "receive_timeout_s": RECEIVE_TIMEOUT_S,
+            "write_timeout_s": WRITE_TIMEOUT_S,
+        },
+    )
+    router = VllmRouterProcess(
+        stack.prefill.url,
+        stack.decode.url,
+        free_port(),
+        free_port(),
+        log_path=stack.run_dir / "vllm-router.log",
+    )
+    stack.run_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as running:
+        running.enter_context(Stack([stack.prefill, stack.decode]))
+        running.enter_context(Stack([router]))
+        clients = [
+            running.enter_context(
+                httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False)
+            )
+            for url in (router.url, stack.prefill.url, stack.decode.url)
+        ]
+        yield Stand(stack, *clients)
+
+
+def reference(stand: Stand, prompt: list[int]) -> dict[str, Any]:
+    """The single instance: D alone, no kv_transfer_params, a fresh cache_salt."""
+    body = greedy_body(prompt, cache_salt=uuid.uuid4().hex)
+    return post_ok(stand.decode, "/v1/completions", body)
+
+
+def rendezvous_spans(run_dir: Path, want: int) -> list[dict[str, str]]:
+    """P's ``rendezvous_wait`` spans (their string attributes) once there are ``want``."""
+    deadline = time.monotonic() + SPANS_WAIT_S
+    while True:
+        found = []
+        for path in sorted(run_dir.glob("traces-*.jsonl")):
+            for line in path.read_text().split("\n")[:-1]:  # whole lines only
+                for rs in json.loads(line)["resourceSpans"] if line.strip() else ():
+                    for ss in rs["scopeSpans"]:
+                        for sp in ss["spans"]:
+                            if sp["name"] == RENDEZVOUS:
+                                found.append(
+                                    {
+                                        a["key"]: a["value"].get("stringValue", "")
+                                        for a in sp.get("attributes", ())
+                                    }
+                                )
+        if len(found) >= want or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Stand) -> None:
+    prompts = [random_prompt(LENGTHS[i % len(LENGTHS)], seed=7000 + i) for i in range(20)]
+    before = source_tokens(stand.decode)
+    t0 = time.monotonic()
+    first = post_ok(stand.router, "/v1/completions", greedy_body(prompts[0]))
+    print(f"\n[vllm-router] cold first request: {(time.monotonic() - t0) * 1000:.0f} ms")
+    first_spans = rendezvous_spans(stand.stack.run_dir, 1)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        rest = list(
+            pool.map(
+                lambda p: post_ok(stand.router, "/v1/completions", greedy_body(p)), prompts[1:]
+            )
+        )
+    print(f"[vllm-router] {CONCURRENT} concurrent requests: {(time.monotonic() - t0):.1f} s")
+    total = sum(len(p) for p in prompts)
+    after = settled_source_tokens(stand.decode, before["external_kv_transfer"] + total)
+    delta = {k: after[k] - before[k] for k in after}
+    print(f"[vllm-router] D's prompt tokens by source over {total}: {delta}")
+    # Taken before the references, which D computes itself.
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
+        f"D did not take every prompt token from P: {delta}; logs in {stand.stack.run_dir}"
+    )
+    spans = rendezvous_spans(stand.stack.run_dir, len(prompts))
+    firsts = [s.get(FIRST_ARRIVED) for s in spans]
+    print(f"[vllm-router] P's rendezvous, which came first: {firsts}")
+    assert len(spans) == len(prompts), f"{len(spans)} pushes for {len(prompts)} requests"
+    # Paired by vllm-router's X-Request-Id; the cold request was sequential: P's prefill
+    # had finished before D's registration came.
+    assert all(s[TRANSFER_ID].startswith("___prefill_addr_") for s in spans), spans
+    assert [s.get(FIRST_ARRIVED) for s in first_spans] == ["prefill"], first_spans
+    # Then P's answer switched vllm-router to push mode: both legs at once, so D's
+    # registrations reached P before its prefills had finished (all of them, on this box).
+    assert "registration" in firsts, firsts
+    for i, (prompt, got) in enumerate(zip(prompts, [first, *rest], strict=True)):
+        assert_matches_reference(got, reference(stand, prompt), f"request {i}")
+
+
+def sequential_proxy(stand: Stand, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's toy proxy: P with max_tokens 1 and NixlConnector's P leg, then D with the
+    ``kv_transfer_params`` P returned, unchanged."""
+    p_leg = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    p_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p_leg}
+    answer = post_ok(stand.prefill, "/v1/completions", p_body)
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["transfer_id"], params
+    return post_ok(stand.decode, "/v1/completions", {**body, "kv_transfer_params": params})
+
+
+def test_sequential_proxy_equals_single_instance(stand: Stand) -> None:
+    prompts = [random_prompt(n, seed=8000 + n) for n in LENGTHS]
+    before = source_tokens(stand.decode)
+    got = [sequential_proxy(stand, greedy_body(p)) for p in prompts]
+    total = sum(LENGTHS)
+    after = settled_source_tokens(stand.decode, before["external_kv_transfer"] + total)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, delta
+    for n, prompt, out in zip(LENGTHS, prompts, got, strict=True):
+        assert_matches_reference(out, reference(stand, prompt), f"{n}-token prompt")
+
+
+def test_d_ends_a_request_whose_p_never_came_at_its_own_deadline(stand: Stand) -> None:
+    """vllm-router's push-mode D leg for an X-Request-Id P never saw (its leg failed on the
+    way): D cancels at its receive deadline, computes the prompt itself and answers."""
+    # P's coordinates, as vllm-router caches them from P's first answer.
+    answer = post_ok(
+        stand.prefill,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "where are you",
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        },
+    )["kv_transfer_params"]
+    x = f"___prefill_addr_nowhere___decode_addr_here_{uuid.uuid4().hex}"
+    leg = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": answer["remote_engine_id"],
+        "remote_host": answer["remote_host"],
+        "remote_port": answer["remote_port"],
+        "tp_size": answer["tp_size"],
+        "remote_request_id": x,
+    }
+    prompt = random_prompt(129, seed=9001)
+    before = source_tokens(stand.decode)
+    t0 = time.monotonic()
+    resp = stand.decode.post(
+        "/v1/completions",
+        json=greedy_body(prompt, kv_transfer_params=leg),
+        headers={"X-Request-Id": x},
+        timeout=P_FAILED_BOUND_S,
+    )
+    took_s = time.monotonic() - t0
+    print(f"\n[vllm-router] D alone, P never came: answered after {took_s:.1f} s")
+    assert resp.status_code == 200, resp.text
+    assert RECEIVE_TIMEOUT_S - 1.0 <= took_s < P_FAILED_BOUND_S
+    deadline = time.monotonic() + SPANS_WAIT_S  # the counters may trail the answer
+    while source_tokens(stand.decode)["local_compute"] <= before["local_compute"]:
+        assert time.monotonic() < deadline, "D's answer did not count a token D computed"
+        time.sleep(0.2)
+    assert_matches_reference(resp.json(), reference(stand, prompt), "P never came")
