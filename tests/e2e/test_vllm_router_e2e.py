@@ -35,13 +35,16 @@ import pytest
 
 from connector.tools.pdstack import PdStack
 from connector.tools.stack import ChildProcess, Stack, free_port
+from tests.e2e.conftest import Pd
 from tests.e2e.greedy import assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import (
     post_ok,
     random_prompt,
+    reference,
     settled_source_tokens,
     source_tokens,
 )
+from tests.unit.core.test_pairing import VLLM_ROUTER_P_LEG, vllm_router_d_leg
 
 pytestmark = [
     pytest.mark.e2e,
@@ -110,16 +113,8 @@ class VllmRouterProcess(ChildProcess):
         self._spawn(dict(os.environ))
 
 
-@dataclass
-class Stand:
-    stack: PdStack
-    router: httpx.Client
-    prefill: httpx.Client
-    decode: httpx.Client
-
-
 @pytest.fixture(scope="module")
-def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Stand]:
+def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
     """P and D (PushConnector, as PdStack configures them) and vllm-router in front; P and D
     first (the router checks its workers when it starts)."""
     stack = PdStack(
@@ -147,13 +142,7 @@ def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Stand]:
             )
             for url in (router.url, stack.prefill.url, stack.decode.url)
         ]
-        yield Stand(stack, *clients)
-
-
-def reference(stand: Stand, prompt: list[int]) -> dict[str, Any]:
-    """The single instance: D alone, no kv_transfer_params, a fresh cache_salt."""
-    body = greedy_body(prompt, cache_salt=uuid.uuid4().hex)
-    return post_ok(stand.decode, "/v1/completions", body)
+        yield Pd(stack, *clients)
 
 
 def rendezvous_spans(run_dir: Path, want: int) -> list[dict[str, str]]:
@@ -178,7 +167,7 @@ def rendezvous_spans(run_dir: Path, want: int) -> list[dict[str, str]]:
         time.sleep(0.2)
 
 
-def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Stand) -> None:
+def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) -> None:
     prompts = [random_prompt(LENGTHS[i % len(LENGTHS)], seed=7000 + i) for i in range(20)]
     before = source_tokens(stand.decode)
     t0 = time.monotonic()
@@ -216,25 +205,17 @@ def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Stand)
         assert_matches_reference(got, reference(stand, prompt), f"request {i}")
 
 
-def sequential_proxy(stand: Stand, body: dict[str, Any]) -> dict[str, Any]:
+def sequential_proxy(stand: Pd, body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's toy proxy: P with max_tokens 1 and NixlConnector's P leg, then D with the
     ``kv_transfer_params`` P returned, unchanged."""
-    p_leg = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    p_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": p_leg}
+    p_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": VLLM_ROUTER_P_LEG}
     answer = post_ok(stand.prefill, "/v1/completions", p_body)
     params = answer["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["transfer_id"], params
     return post_ok(stand.decode, "/v1/completions", {**body, "kv_transfer_params": params})
 
 
-def test_sequential_proxy_equals_single_instance(stand: Stand) -> None:
+def test_sequential_proxy_equals_single_instance(stand: Pd) -> None:
     prompts = [random_prompt(n, seed=8000 + n) for n in LENGTHS]
     before = source_tokens(stand.decode)
     got = [sequential_proxy(stand, greedy_body(p)) for p in prompts]
@@ -246,7 +227,7 @@ def test_sequential_proxy_equals_single_instance(stand: Stand) -> None:
         assert_matches_reference(out, reference(stand, prompt), f"{n}-token prompt")
 
 
-def test_d_ends_a_request_whose_p_never_came_at_its_own_deadline(stand: Stand) -> None:
+def test_d_ends_a_request_whose_p_never_came_at_its_own_deadline(stand: Pd) -> None:
     """vllm-router's push-mode D leg for an X-Request-Id P never saw (its leg failed on the
     way): D cancels at its receive deadline, computes the prompt itself and answers."""
     # P's coordinates, as vllm-router caches them from P's first answer.
@@ -257,19 +238,11 @@ def test_d_ends_a_request_whose_p_never_came_at_its_own_deadline(stand: Stand) -
             "model": "tiny",
             "prompt": "where are you",
             "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+            "kv_transfer_params": VLLM_ROUTER_P_LEG,
         },
     )["kv_transfer_params"]
     x = f"___prefill_addr_nowhere___decode_addr_here_{uuid.uuid4().hex}"
-    leg = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": answer["remote_engine_id"],
-        "remote_host": answer["remote_host"],
-        "remote_port": answer["remote_port"],
-        "tp_size": answer["tp_size"],
-        "remote_request_id": x,
-    }
+    leg = vllm_router_d_leg(answer, x)
     prompt = random_prompt(129, seed=9001)
     before = source_tokens(stand.decode)
     t0 = time.monotonic()
