@@ -1,12 +1,15 @@
 """P's side of the push protocol, run on the transfer thread.
 
 Owns: turning the rendezvous table's actions into transport work (descriptor prep, WRITE
-posts, notifications) and transport outcomes back into table events. Touches the
+posts, notifications) and transport outcomes back into table events, and one record per
+transfer whose WRITE this rank runs (``_Transfer``, its ``Phase``): the table decides when
+a WRITE starts and ends; the record holds how far its transport work has got. Touches the
 transport only through the Transport protocol; never vLLM. One thread calls it.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import time
@@ -71,6 +74,30 @@ class _Write:
     aborting: bool = False
 
 
+class Phase(enum.Enum):
+    """Where one transfer's WRITE stands on this rank."""
+
+    COMPUTING = "computing"  # GPU: its prefill was submitted with a ready check; no WRITE yet
+    DEFERRED = "deferred"  # the table issued the WRITE before the KV was computed
+    WRITING = "writing"  # posted (or waiting for a peer's metadata) and not ended
+    ENDED = "ended"  # the WRITE ended or never will; kept only for its ready check
+
+
+_ACTIVE = frozenset({Phase.DEFERRED, Phase.WRITING})  # a WRITE our polling must move on
+
+
+@dataclass
+class _Transfer:
+    """One transfer on this rank, from its prefill's ready check (GPU) or its WRITE's issue
+    until the table frees its blocks (or, without a ready check, its WRITE ends)."""
+
+    phase: Phase
+    ready: ReadyCheck | None = None  # GPU: "is the KV computed?"
+    ready_noted: bool = False  # it said yes, and the prefill span was told
+    issue: ev.IssueWrite | None = None  # DEFERRED: the WRITE to post once the KV is computed
+    write: _Write | None = None  # WRITING
+
+
 class Sender:
     """Matches registrations with finished prefills and pushes the KV to D."""
 
@@ -98,10 +125,8 @@ class Sender:
             peers,
         )
         self.table = SenderTable(lambda d_tp: topology.targets(me.rank, d_tp), policy)
-        self._writes: dict[str, _Write] = {}
-        self._ready: dict[str, ReadyCheck] = {}  # transfer id -> "is the KV computed?"
-        self._ready_seen: set[str] = set()  # ... and it said yes
-        self._deferred: dict[str, ev.IssueWrite] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._active = 0  # records in an _ACTIVE phase
         self._valid: dict[KVLayout, None] = {}  # D layouts that passed validate(), bounded
         self._on_write_finished = on_write_finished
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
@@ -117,13 +142,16 @@ class Sender:
         ready: ReadyCheck | None = None,
         note: PrefillNote | None = None,
     ) -> None:
-        if isinstance(event, ev.SourceReclaimed) and event.transfer_id in self._deferred:
-            # Not posted yet (the compute step had not finished): it never will be.
-            self._deferred.pop(event.transfer_id)
-            event = ev.WriteFailed(event.transfer_id, m.FailReason.PREFILL_ABORTED, "preempted")
+        if isinstance(event, ev.SourceReclaimed):
+            tid = event.transfer_id
+            rec = self._transfers.get(tid)
+            if rec is not None and rec.phase is Phase.DEFERRED:
+                # Not posted yet (the compute step had not finished): it never will be.
+                self._end(tid, rec)
+                event = ev.WriteFailed(tid, m.FailReason.PREFILL_ABORTED, "preempted")
         if isinstance(event, ev.PrefillDone):
             if ready is not None:
-                self._ready[event.transfer_id] = ready
+                self._record(event.transfer_id).ready = ready
             self.spans.prefill_submitted(event, note, deferred=ready is not None)
         self._run(self.table.handle(event, now_ns), now_ns)
 
@@ -171,15 +199,22 @@ class Sender:
             self.counters[f"unexpected_{type(msg).__name__}"] += 1
 
     def poll(self, now_ns: int) -> None:
-        for tid, check in self._ready.items():
+        for tid, rec in self._transfers.items():
             # GPU: note when the step's event fires (the end of P's prefill span), even
             # while no registration has come yet.
-            if tid not in self._ready_seen and check():
-                self._ready_seen.add(tid)
+            if rec.ready is not None and not rec.ready_noted and rec.ready():
+                rec.ready_noted = True
                 self.spans.prefill_ready(tid, time.time_ns())
-        for tid in [t for t, check in self._ready.items() if t in self._deferred and check()]:
-            self._post(self._deferred.pop(tid), now_ns)
-        for tid in list(self._writes):
+        due = [
+            rec
+            for rec in self._transfers.values()
+            if rec.phase is Phase.DEFERRED and rec.ready is not None and rec.ready()
+        ]
+        for rec in due:
+            if rec.issue is not None:  # still deferred: posting another may have ended it
+                issue, rec.issue = rec.issue, None
+                self._post(issue, now_ns)
+        for tid in [t for t, rec in self._transfers.items() if rec.phase is Phase.WRITING]:
             self._poll_write(tid, now_ns)
         if self.paths is not None:
             self.paths.poll(now_ns)
@@ -189,15 +224,36 @@ class Sender:
 
     def quiescent(self, transfer_ids: list[str]) -> bool:
         """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
-        return not any(t in self._writes or t in self._deferred for t in transfer_ids)
+        return not any(
+            (rec := self._transfers.get(t)) is not None and rec.phase in _ACTIVE
+            for t in transfer_ids
+        )
 
     def writing(self) -> bool:
         """A WRITE is in flight or waits for its KV (GPU): only our polling moves it on."""
-        return bool(self._writes or self._deferred)
+        return self._active > 0
 
     def writes_in_flight(self) -> int:
         """Transfers with a WRITE posted or waiting for its KV (metrics)."""
-        return len(self._writes) + len(self._deferred)
+        return self._active
+
+    # ------------------------------------------------------------------ records
+    def _record(self, tid: str) -> _Transfer:
+        rec = self._transfers.get(tid)
+        if rec is None:
+            rec = self._transfers[tid] = _Transfer(Phase.COMPUTING)
+        return rec
+
+    def _move(self, tid: str, rec: _Transfer, phase: Phase) -> None:
+        """The one place a record changes phase (and the count of active WRITEs with it)."""
+        self._active += (phase in _ACTIVE) - (rec.phase in _ACTIVE)
+        rec.phase = phase
+        if phase is Phase.ENDED and rec.ready is None:
+            self._transfers.pop(tid, None)  # nothing left to watch
+
+    def _end(self, tid: str, rec: _Transfer) -> None:
+        rec.issue, rec.write = None, None
+        self._move(tid, rec, Phase.ENDED)
 
     def awaiting_network(self) -> bool:
         """Blocks held for a registration (or a peer's answer) that has not come yet."""
@@ -207,17 +263,16 @@ class Sender:
     def _run(self, actions: list[ev.SendAction], now_ns: int) -> None:
         for a in actions:
             if isinstance(a, ev.IssueWrite):
-                check = self._ready.get(a.transfer_id)
-                if check is not None and not check():
-                    self._deferred[a.transfer_id] = a  # GPU: the step's event has not fired
+                rec = self._transfers.get(a.transfer_id)
+                if rec is not None and rec.ready is not None and not rec.ready():
+                    rec.issue = a  # GPU: the step's event has not fired
+                    self._move(a.transfer_id, rec, Phase.DEFERRED)
                 else:
                     self._post(a, now_ns)
             elif isinstance(a, ev.FreeBlocks):
-                self._ready.pop(a.transfer_id, None)
-                self._ready_seen.discard(a.transfer_id)
-                rec = self.table.get(a.transfer_id)
-                self.spans.released(a.transfer_id, rec.reason if rec is not None else None)
-                self._deferred.pop(a.transfer_id, None)
+                self._release_record(a.transfer_id)
+                sent = self.table.get(a.transfer_id)
+                self.spans.released(a.transfer_id, sent.reason if sent is not None else None)
                 self.finished.append(a.request_id)
             elif isinstance(a, ev.AbortWrite):
                 self._abort(a.transfer_id, now_ns)
@@ -235,6 +290,16 @@ class Sender:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
             else:
                 raise TypeError(f"unknown sender action {a!r}")
+
+    def _release_record(self, tid: str) -> None:
+        """The blocks go back: no ready check to watch, no WRITE left to post. A WRITE in
+        flight (never, by the table's rules) would still be polled to its end."""
+        rec = self._transfers.get(tid)
+        if rec is None:
+            return
+        rec.ready, rec.ready_noted = None, False
+        if rec.phase is not Phase.WRITING:
+            self._end(tid, rec)
 
     def _check_layout(self, layout: KVLayout) -> None:
         """A peer's layout, validated once (the planner trusts validated layouts)."""
@@ -295,6 +360,8 @@ class Sender:
                 plans.append((reg, pieces, choice, heads))
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
+            if (rec := self._transfers.get(a.transfer_id)) is not None:
+                self._end(a.transfer_id, rec)
             self._run(
                 self.table.handle(
                     ev.WriteFailed(a.transfer_id, m.FailReason.LAYOUT_MISMATCH, str(exc)), now_ns
@@ -303,7 +370,10 @@ class Sender:
             )
             return
         report.prepared_ns = time.time_ns()
-        w = self._writes[a.transfer_id] = _Write(report, unposted=len(plans))
+        w = _Write(report, unposted=len(plans))
+        rec = self._record(a.transfer_id)
+        rec.write = w
+        self._move(a.transfer_id, rec, Phase.WRITING)
         chosen = [c for _, _, c, _ in plans if c is not None]
         if chosen:
             report.path = ",".join(sorted({c.path.value for c in chosen}))
@@ -383,9 +453,10 @@ class Sender:
             )
 
     def _poll_write(self, tid: str, now_ns: int) -> None:
-        w = self._writes.get(tid)
-        if w is None:
+        rec = self._transfers.get(tid)
+        if rec is None or rec.write is None:
             return
+        w = rec.write
         live = []
         for h in w.handles:
             try:
@@ -407,7 +478,7 @@ class Sender:
         w.others = [pw for pw in w.others if not self._pump(w, pw)]
         if live or w.others or w.unposted:
             return
-        del self._writes[tid]
+        self._end(tid, rec)
         w.report.done_ns = time.time_ns()
         w.report.ok, w.report.reason = w.failure is None, w.failure
         self.counters[f"path_{w.report.path}"] += 1
@@ -446,13 +517,17 @@ class Sender:
             logger.warning("Releasing a WRITE to %s failed: %s", h.peer, exc)
 
     def _abort(self, tid: str, now_ns: int) -> None:
-        if self._deferred.pop(tid, None) is not None:
+        rec = self._transfers.get(tid)
+        if rec is None:
+            return
+        if rec.phase is Phase.DEFERRED:
             # Never posted (its KV was not computed yet): it must not start past its deadline.
+            self._end(tid, rec)
             self.counters[f"{Count.WRITE_FAILED.value}{m.FailReason.WRITE_TIMEOUT.value}"] += 1
             event = ev.WriteFailed(tid, m.FailReason.WRITE_TIMEOUT, "KV not ready in time")
             self._run(self.table.handle(event, now_ns), now_ns)
             return
-        w = self._writes.get(tid)
+        w = rec.write
         if w is None:
             return
         w.aborting = True

@@ -18,7 +18,7 @@ from connector.tools.loopback import RankSpec, expected_event
 from connector.transfer.guard import Guard
 from connector.transfer.peers import NotSent, Peers
 from connector.transfer.receiver import Receiver
-from connector.transfer.sender import Sender
+from connector.transfer.sender import Phase, Sender
 from connector.transfer.thread import TransferThread
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.fake import FakeFabric
@@ -170,6 +170,33 @@ def test_write_waits_for_the_compute_step() -> None:
     done["v"] = True
     pair.pump()
     assert len(pair.fabric.posted) == 1 and pair.receiver.finished[0].ok
+
+
+def test_a_transfer_is_one_record_whose_phase_follows_its_write() -> None:
+    """The ready check makes a record; the WRITE, issued before the KV is computed, is
+    deferred, then written; the record goes with the blocks."""
+    pair = Pair()
+    done = {"v": False}
+    phases: list[Phase | None] = []
+
+    def phase() -> None:
+        rec = pair.sender._transfers.get("t")
+        phases.append(rec.phase if rec is not None else None)
+
+    pair.sender.on_event(
+        ev.PrefillDone("t", "preq", ((1,),), 16), pair.now, ready=lambda: done["v"]
+    )
+    phase()
+    pair.expect("t", 16, (4,))
+    pair.pump()
+    phase()
+    assert pair.sender.writes_in_flight() == 1 and not pair.sender.quiescent(["t"])
+    done["v"] = True
+    pair.pump()
+    phase()
+    assert phases == [Phase.COMPUTING, Phase.DEFERRED, None]
+    assert pair.sender.writes_in_flight() == 0 and pair.sender.quiescent(["t"])
+    assert pair.sender.finished == ["preq"] and pair.receiver.finished[0].ok
 
 
 def test_registration_tells_p_ds_deadline_and_write_bound() -> None:
