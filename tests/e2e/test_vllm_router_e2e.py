@@ -7,7 +7,8 @@ them knows which router is in front. Checks: greedy outputs equal the single ins
 sequentially (P's answer first, then D), and for the concurrent requests after it, which it
 sends to P and D at once (P's answer said ``transfer_mode: "push"``); D computes no prompt
 token itself (``vllm:prompt_tokens_by_source_total``: external only); the transfers are
-paired by vllm-router's X-Request-Id (P's ``rendezvous_wait`` spans name it); a sequential
+paired by vllm-router's X-Request-Id (P's ``rendezvous_wait`` spans name it), for chat
+completions too (vLLM decorates the id differently there); a sequential
 proxy (P first, then D with P's returned ``kv_transfer_params``, as vLLM's toy proxy and
 llm-d's sidecar do) gives the same; and a D leg whose P never got the request ends at D's
 own receive deadline, computed by D (vllm-router never aborts D).
@@ -203,6 +204,50 @@ def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) ->
     assert "registration" in firsts, firsts
     for i, (prompt, got) in enumerate(zip(prompts, [first, *rest], strict=True)):
         assert_matches_reference(got, reference(stand, prompt), f"request {i}")
+
+
+def chat_body(text: str, **extra: Any) -> dict[str, Any]:
+    """greedy_body's request as a chat completion (logprobs of the top two)."""
+    body = greedy_body(text, **extra)
+    del body["prompt"]
+    return {
+        **body,
+        "messages": [{"role": "user", "content": text}],
+        "top_logprobs": 2,
+        "logprobs": True,
+    }
+
+
+def as_completion(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion in a completion's shape, for greedy.py's comparison."""
+    choice, entries = chat["choices"][0], chat["choices"][0]["logprobs"]["content"]
+    logprobs = {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    }
+    text = choice["message"]["content"]
+    return {"choices": [{"text": text, "logprobs": logprobs}], "usage": chat["usage"]}
+
+
+def test_chat_completions_pair_as_well(stand: Pd) -> None:
+    """/v1/chat/completions: vLLM decorates the X-Request-Id as chatcmpl-X-<random>, with no
+    prompt index; P and D still pair (vllm-router in push mode by now)."""
+    # Apart from the chat template's first tokens (less than a KV block: no prefix hit on D).
+    texts = [f"{word} is the word; tell me about it." for word in ("Alpha", "Gamma", "Zeta", "Pi")]
+    before = source_tokens(stand.decode)
+    with ThreadPoolExecutor(len(texts)) as pool:
+        got = list(
+            pool.map(lambda t: post_ok(stand.router, "/v1/chat/completions", chat_body(t)), texts)
+        )
+    total = sum(g["usage"]["prompt_tokens"] for g in got)
+    after = settled_source_tokens(stand.decode, before["external_kv_transfer"] + total)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, delta
+    for text, out in zip(texts, got, strict=True):
+        body = chat_body(text, cache_salt=uuid.uuid4().hex)
+        ref = post_ok(stand.decode, "/v1/chat/completions", body)
+        assert_matches_reference(as_completion(out), as_completion(ref), f"chat {text!r}")
 
 
 def sequential_proxy(stand: Pd, body: dict[str, Any]) -> dict[str, Any]:
