@@ -13,7 +13,8 @@ llm-d's sidecar and vLLM's example proxies send P ``{do_remote_decode: true}`` w
 ``cmpl-X-<prompt index>-<8 random hex>`` for ``/v1/completions``, ``chatcmpl-X-<8 random
 hex>`` for ``/v1/chat/completions`` (no random part under
 ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``). P's transfer id is ``request_key`` of its own
-request id, which strips those decorations back to X.
+request id, which strips those decorations back to X (``X-<i>`` for a list's prompt i > 0,
+so that each prompt of a list pairs with its own D request).
 
 D gets one of two things. In the sequential flow (P first, then D with P's answer, as
 vllm-router's NixlConnector mode, llm-d's sidecar and vLLM's proxies do) D's leg is P's
@@ -49,9 +50,10 @@ from connector.core.messages import Name, TransferId
 # (``f"{id}-{random_uuid():.8}"``), and per endpoint a prefix, with the prompt's index after
 # the id for completions (``f"cmpl-{X}"``, then ``f"{id}-{i}"``).
 _RANDOM_TAIL: Final = re.compile(r"-[0-9a-f]{8}$")
-_INDEX_TAIL: Final = re.compile(r"-[0-9]+$")
+_FIRST_PROMPT: Final = "-0"  # a list's other prompts keep their index: keys stay unique
 _PREFIXES: Final = (("cmpl-", True), ("chatcmpl-", False))  # (prefix, indexed per prompt)
-# An X-Request-Id shorter than this is not looked for inside D's own request id.
+# An X-Request-Id shorter than this is not looked for anywhere inside D's own request id
+# (only as what its decorations wrap).
 _MIN_SHARED_ID: Final = 8
 _HASHED: Final = "rid-"  # a key that is no valid transfer id travels as its hash
 
@@ -70,8 +72,8 @@ def request_key(request_id: str) -> str:
     for prefix, indexed in _PREFIXES:
         if key.startswith(prefix):
             key = key[len(prefix) :]
-            if indexed:
-                key = _INDEX_TAIL.sub("", key, count=1)
+            if indexed and key.endswith(_FIRST_PROMPT):
+                key = key[: -len(_FIRST_PROMPT)]
             break
     return key or request_id
 
@@ -88,9 +90,11 @@ def transfer_id_for(key: str) -> str:
 def decode_key(remote_request_id: str, own_request_id: str) -> str:
     """D's pairing key for a leg naming ``remote_request_id`` (the X-Request-Id both legs
     were sent with), given D's own engine request id."""
+    own = request_key(own_request_id)
     if len(remote_request_id) >= _MIN_SHARED_ID and remote_request_id in own_request_id:
-        return request_key(own_request_id)
-    return remote_request_id
+        return own
+    index = own[len(remote_request_id) + 1 :] if own.startswith(remote_request_id + "-") else ""
+    return own if own == remote_request_id or index.isdigit() else remote_request_id
 
 
 def adapt(params: Any, request_id: str) -> tuple[Any, bool]:

@@ -37,7 +37,7 @@ import pytest
 from connector.tools.pdstack import PdStack
 from connector.tools.stack import ChildProcess, Stack, free_port
 from tests.e2e.conftest import Pd
-from tests.e2e.greedy import assert_matches_reference, greedy_body
+from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import (
     post_ok,
     random_prompt,
@@ -248,6 +248,23 @@ def test_chat_completions_pair_as_well(stand: Pd) -> None:
         body = chat_body(text, cache_salt=uuid.uuid4().hex)
         ref = post_ok(stand.decode, "/v1/chat/completions", body)
         assert_matches_reference(as_completion(out), as_completion(ref), f"chat {text!r}")
+
+
+def test_a_list_of_prompts_pairs_each_prompt(stand: Pd) -> None:
+    """vllm-router in push mode with a list of prompts: vLLM makes one engine request per
+    prompt (``cmpl-X-<i>-<random>``) on P and on D, and each prompt pairs with its own."""
+    post_ok(stand.router, "/v1/completions", greedy_body(random_prompt(20, seed=9500)))  # P known
+    prompts = [random_prompt(n, seed=9600 + n) for n in (30, 129, 200)]
+    before = source_tokens(stand.decode)
+    out = post_ok(stand.router, "/v1/completions", greedy_body(prompts))
+    total = sum(len(p) for p in prompts)
+    after = settled_source_tokens(stand.decode, before["external_kv_transfer"] + total)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, delta
+    by_index = {c["index"]: c for c in out["choices"]}
+    for i, prompt in enumerate(prompts):
+        got = {"choices": [by_index[i]], "usage": {"completion_tokens": MAX_TOKENS}}
+        assert_matches_reference(got, reference(stand, prompt), f"prompt {i} of the list")
 
 
 def sequential_proxy(stand: Pd, body: dict[str, Any]) -> dict[str, Any]:

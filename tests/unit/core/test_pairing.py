@@ -65,14 +65,20 @@ def test_p_and_d_pair_however_vllm_decorated_the_id(
     assert p_tid == d_tid
 
 
-@given(x=x_request_ids, endpoint=endpoints, index=st.integers(0, 7))
-def test_with_vllms_random_tail_the_key_is_the_header_itself(
-    x: str, endpoint: str, index: int
-) -> None:
-    """vLLM's default (a random tail): P's key is exactly X, so D pairs even where its own
-    request id does not contain X (a router that sends D another header)."""
-    assert pairing.request_key(engine_id_of(x, endpoint, index, randomize=True)) == x
+@given(x=x_request_ids, endpoint=endpoints)
+def test_with_vllms_random_tail_the_key_is_the_header_itself(x: str, endpoint: str) -> None:
+    """vLLM's default (a random tail), one prompt: P's key is exactly X, so D pairs even
+    where its own request id does not contain X (a router that sends D another header)."""
+    assert pairing.request_key(engine_id_of(x, endpoint, 0, randomize=True)) == x
     assert pairing.decode_key(x, "cmpl-something-else-0-0123abcd") == x
+
+
+@given(x=x_request_ids, randomize=st.booleans())
+def test_each_prompt_of_a_list_has_its_own_key(x: str, randomize: bool) -> None:
+    """/v1/completions with a list of prompts: one engine request per prompt, each its own
+    transfer on both sides."""
+    keys = {pairing.request_key(engine_id_of(x, "completions", i, randomize)) for i in range(4)}
+    assert len(keys) == 4
 
 
 @given(key=st.text(min_size=1, max_size=300))
