@@ -25,7 +25,6 @@ from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
 from connector.vllm_compat import KVConnectorMetadata, KVConnectorRole
-from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def _guard(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable
                 if self._sched is None:
                     pass
                 elif request is None:
-                    self._sched.counters[Count.HOOK_ERRORS.value] += 1
+                    self._sched.count_hook_error()
                 else:
                     loading = kwargs.get("num_external_tokens", args[2] if len(args) > 2 else 0)
                     blocks = args[1] if fn.__name__ == "update_state_after_alloc" else None
@@ -215,7 +214,7 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
             return PushkvMetadata(self._sched.build_connector_meta(scheduler_output))
         except Exception:
             # No request to let go of: the transfers' own deadlines end what this step staged.
-            self._sched.counters[Count.HOOK_ERRORS.value] += 1
+            self._sched.count_hook_error()
             logger.exception("pushkv build_connector_meta failed")
             return PushkvMetadata(StepPlan())
 

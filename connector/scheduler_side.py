@@ -54,6 +54,7 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
+from telemetry.counts import Counts
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class SchedulerSide:
             engine_id, producer=is_producer, host=host
         )
         # Faults seen here, under telemetry.schema's Count names.
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     # ------------------------------------------------------------------ set-up
     def bind_kv_cache_manager(self, manager: Any) -> None:
@@ -389,6 +390,10 @@ class SchedulerSide:
             self._step.load_blocks[rec.request.request_id] = rec.load_block
 
     # ------------------------------------------------------------------ our own failure
+    def count_hook_error(self) -> None:
+        """A hook of ours raised with no request to let go of (plugin.py's guard)."""
+        self.counters.add(Count.HOOK_ERRORS)
+
     def hook_failed(
         self, hook: str, request: Any, num_external_tokens: int = 0, blocks: Any = None
     ) -> None:
@@ -398,7 +403,7 @@ class SchedulerSide:
         with tokens to load), the load is reported failed, so vLLM applies
         kv_load_failure_policy; otherwise P frees its blocks and D computes the prompt."""
         rid = request.request_id
-        self.counters[Count.HOOK_ERRORS.value] += 1
+        self.count_hook_error()
         rec = self._reqs.get(rid)
         if rec is None and hook == "on_new_request":
             rec = self._adopt(request)
@@ -433,7 +438,7 @@ class SchedulerSide:
             self._step.failed_loads.append(rid)
         elif move.effect is Effect.FAIL_LOAD and rid not in self._step.failed_loads:
             self._step.failed_loads.append(rid)  # a refused leg: P is not told
-        self.counters[f"{Count.HOOK_EFFECT.value}{move.effect.value}"] += 1
+        self.counters.add(Count.HOOK_EFFECT, move.effect.value)
         self._enter(rid, rec, move)
         trace = leg.trace() if leg is not None else pleg.trace() if pleg else None
         emit_hook_failed(

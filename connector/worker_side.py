@@ -305,11 +305,7 @@ class WorkerSide:
         if plan is not None and plan.idle and wait_s > 0 and self.thread.transfers_pending:
             # Nothing to compute this step: wait (briefly) for the transfer instead of
             # letting vLLM spin the next empty step at once.
-            got = self.thread.wait_for_results(wait_s)
-            self.thread.counters["idle_step_waits"] += 1
-            self.thread.counters[
-                "idle_step_wait_results" if got else "idle_step_wait_timeouts"
-            ] += 1
+            self.thread.wait_for_results(wait_s)  # counted by the thread
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()
         return self._results(
@@ -340,8 +336,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         if self.thread is not None:
-            self.thread.stop()  # first: it adds its doorbell's counters
-            self.thread.counters.update(getattr(self._transport, "counters", {}))
+            self.thread.stop()  # first: it merges its components' counters, transport's too
             logger.info(
                 "pushkv worker rank %d counters: %s", self.tp_rank, dict(self.thread.counters)
             )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from connector.core.errors import RemoteProtocolError, TransportError
 from connector.engine_spans import engine_tracer
 from connector.transport.base import WriteHandle, validate_write_descs
 from pushkv_testing.freed_check import FreedCheck
+from telemetry.counts import Counts
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -73,13 +73,13 @@ class FaultyTransport:
         self._drop_done: set[str] = set()  # D: transfer ids whose first `done` is lost
         self._hold: set[str] = set()  # P: transfer ids whose WRITE is to be held
         self._held: dict[str, bool] = {}  # P: ... held now: has D's cancel come?
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def _injected(self, kind: str, tid: str) -> None:
-        self.counters[f"{Count.INJECTED.value}{kind}"] += 1
+        self.counters.add(Count.INJECTED, kind)
         logger.warning("pushkv test fault injected: %s (transfer %s)", kind, tid)
 
     def send_notif(self, peer: str, msg: bytes) -> None:

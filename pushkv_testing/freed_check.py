@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +30,9 @@ from connector.core import messages as m
 from connector.core.errors import ConfigError
 from connector.core.layout import KVLayout
 from connector.core.state import ReceiverPolicy
+from telemetry.counts import Counts
 from telemetry.emit import emit, parent_context
-from telemetry.schema import Attr, Outcome, Span
+from telemetry.schema import Attr, Count, Outcome, Span
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class FreedCheck:
         self._clock, self._memory = clock, memory
         self._pending: dict[str, _Pending] = {}
         self._checks: dict[str, _Check] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     # ------------------------------------------------- what D sends (FaultyTransport)
     def sent(self, msg: m.Message) -> None:
@@ -125,7 +125,7 @@ class FreedCheck:
         for v in views:
             v.fill(PATTERN)
         self._checks[tid] = _Check(pending.reg, pending.due_ns, views, time.time_ns())
-        self.counters["freed_filled"] += 1
+        self.counters.add(Count.FREED_FILLED)
         logger.warning(
             "pushkv test check: transfer %s's %d freed blocks filled with a pattern",
             tid,
@@ -147,14 +147,14 @@ class FreedCheck:
         del self._checks[tid]
         error = Outcome.LATE_WRITE.value if changed else None
         if changed:
-            self.counters["late_writes"] += 1
+            self.counters.add(Count.LATE_WRITES)
             logger.error(
                 "pushkv test check: LATE WRITE: %d bytes of transfer %s's freed blocks changed",
                 changed,
                 tid,
             )
         else:
-            self.counters["freed_intact"] += 1
+            self.counters.add(Count.FREED_INTACT)
             logger.warning("pushkv test check: transfer %s's freed blocks stayed intact", tid)
         if self._tracer is not None:
             trace = c.reg.trace

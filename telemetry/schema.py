@@ -162,11 +162,15 @@ class Outcome(str, Enum):
 
 
 class Count(str, Enum):
-    """Stable names of pushkv's fault counters: the transfer thread's ``counters`` (its
-    Sender's and Receiver's merged in), the worker's and the scheduler role's. A value
-    ending in "_" is a prefix, followed by a FailReason value (or a fault kind): e.g.
-    ``recv_failed_deadline``. The metrics exporter publishes them under these names."""
+    """Stable names of pushkv's counters: each component's ``counters``
+    (``telemetry.counts.Counts``, written only through its ``add``), the transfer thread's
+    with its Sender's, Receiver's, peers', doorbell's and transport's merged in when it
+    stops, and the scheduler role's. A value ending in "_" is a prefix, followed by a
+    detail: a FailReason value, a fault kind, a message type or a merged component's own
+    name (e.g. ``recv_failed_deadline``, ``bell_rung``). The worker logs them at shutdown;
+    ``connector.transfer.metrics`` turns a few into labelled ``Metric`` values."""
 
+    # fault counters
     RECV_FAILED = "recv_failed_"  # D: a load reported failed, by reason
     RECV_ABANDONED = "recv_abandoned"  # D: a silent source given up (last resort)
     FAIL_SENT = "fail_sent_"  # P: a transfer ended without its WRITE and D was told, by reason
@@ -176,6 +180,58 @@ class Count(str, Enum):
     HOOK_ERRORS = "hook_errors"  # a connector hook of ours raised
     HOOK_EFFECT = "hook_failed_"  # ... and what letting go of its request did (lifecycle)
     INJECTED = "injected_"  # a fault injected for a test (pushkv_testing/faults.py)
+    # Sender (P) and Receiver (D)
+    SENDER_MISMATCH = "sender_mismatch"  # a rank's message claiming another's address
+    UNEXPECTED = "unexpected_"  # a message the endpoint never takes, by type
+    HEARTBEATS = "heartbeats"  # P: heartbeats received
+    IPC_OFFERS_IGNORED = "ipc_offers_ignored"  # P without a GPU path driver
+    PATH = "path_"  # P: WRITEs ended, by transfer path (direct, staged, ipc...)
+    HEARTBEATS_SENT = "heartbeats_sent"  # D
+    HEARTBEAT_FAILED = "heartbeat_failed"  # D: a heartbeat could not be sent
+    # the transfer thread
+    POLLS = "polls"
+    LOOP_ERRORS = "loop_errors"  # an iteration raised (logged; the thread goes on)
+    EVENT_ERRORS = "event_errors"  # an engine event our tables refused (logged)
+    GET_NOTIFS_FAILED = "get_notifs_failed"
+    FOREIGN_NOTIFS = "foreign_notifs"  # a notification that is no pushkv frame
+    MALFORMED_NOTIFS = "malformed_notifs"  # a pushkv frame that does not decode
+    UNAUTHENTICATED_NOTIFS = "unauthenticated_notifs"  # refused by the guard
+    MISROUTED_NOTIFS = "misrouted_notifs"  # for an endpoint this rank does not run
+    INCOMING_DROPPED = "incoming_dropped"  # D: a WRITE bell past the tracked cap
+    INCOMING_EXPIRED = "incoming_expired"  # D: a WRITE bell whose completion never came
+    IDLE_STEP_WAITS = "idle_step_waits"  # an empty engine step waited for a result...
+    IDLE_STEP_WAIT_RESULTS = "idle_step_wait_results"  # ... and got one
+    IDLE_STEP_WAIT_TIMEOUTS = "idle_step_wait_timeouts"  # ... or did not
+    BELL = "bell_"  # the doorbell's counters, merged in under this prefix
+    # peers
+    PEER_BACKOFF_FAILED = "peer_backoff_failed"  # a send refused while its peer backs off
+    PEER_GONE = "peer_gone"
+    PEER_UNREACHABLE = "peer_unreachable"
+    # the guard: a refused sealed message, by reason
+    AUTH = "auth_"
+    # the doorbell
+    RUNG = "rung"
+    RING_FAILED = "ring_failed"
+    REFUSED = "refused"  # a datagram that failed authentication
+    HEARD = "heard"
+    HEARD_WRITE = "heard_write"
+    HEARD_DONE = "heard_done"
+    # the NIXL transport's metadata loads, by outcome, and the side channel's drops
+    MD_LOADED = "md_loaded"
+    MD_RELOADED = "md_reloaded"
+    MD_UNCHANGED = "md_unchanged"
+    MD_REJECTED = "md_rejected"
+    MD_NAME_MISMATCH = "md_name_mismatch"
+    SIDE_DIALS_OK = "dials_ok"
+    SIDE_DIALS_FAILED = "dials_failed_"  # by reason
+    SIDE_ACCEPT_FAILED = "accept_failed"
+    SIDE_SERVED = "served"
+    SIDE_DROPPED = "dropped_"  # a request refused, by reason
+    SIDE_CHANNEL = "side_"  # the side channel's counters, merged in under this prefix
+    # test-only: the freed-block check (pushkv_testing/freed_check.py)
+    FREED_FILLED = "freed_filled"
+    FREED_INTACT = "freed_intact"
+    LATE_WRITES = "late_writes"
 
 
 class RouterMode(str, Enum):

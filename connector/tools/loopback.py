@@ -25,6 +25,8 @@ from connector.core.heads import head_range
 from connector.core.layout import KVLayout, Region
 from connector.core.messages import PeerAddr
 from connector.core.state import ReceiverPolicy, SenderPolicy
+from telemetry.counts import Counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -322,16 +324,15 @@ def rank_main(conn: Connection, spec: RankSpec) -> None:
             elif cmd == "counters":
                 endpoint = thread.sender or thread.receiver
                 assert endpoint is not None  # every rank runs one of the two
-                bells = {f"bell_{k}": v for k, v in (bell.counters if bell else {}).items()}
+                merged = Counts(thread.counters)
+                merged.merge(bell.counters if bell else {}, prefix=Count.BELL)
+                merged.merge(guard.counters)
                 counters = RankCounters(
-                    thread={**thread.counters, **bells, **guard.counters},
+                    thread=dict(merged),
                     endpoint=dict(endpoint.counters),
                     dropped=dict(endpoint.table.dropped),
                     transfers=len(endpoint.table),
-                    transport={
-                        **transport.counters,
-                        **{f"side_{k}": v for k, v in transport.side_channel_counters.items()},
-                    },
+                    transport=_with_side_channel(transport),
                 )
                 conn.send(("ok", counters))
             else:
@@ -471,3 +472,10 @@ def expected_event(
         ev.Source(p, p_specs[p].addr) for p in topo.sources(d_spec.rank, d_spec.tp_size)
     )
     return ev.Expected(tid, f"dreq-{tid}", sources, (d_blocks,), first_token, num_tokens)
+
+
+def _with_side_channel(transport: Any) -> dict[str, int]:
+    """A NIXL transport's counters and its side channel's (under ``side_``)."""
+    out = Counts(transport.counters)
+    out.merge(transport.side_channel_counters, prefix=Count.SIDE_CHANNEL)
+    return dict(out)

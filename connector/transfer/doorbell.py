@@ -32,11 +32,12 @@ import contextlib
 import logging
 import select
 import socket
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from connector.transfer.guard import Guard
+from telemetry.counts import Counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Doorbell:
         # flight is first polled after far less (Backoff.hot_min_s).
         self._socks = [self._udp, self._wake_r]
         self._heard_from: set[tuple[str, int]] = set()  # doorbells that rang us
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     @classmethod
     def open(cls, host: str, port: int, guard: Guard | None = None) -> Doorbell | None:
@@ -114,9 +115,9 @@ class Doorbell:
         """Wake the transfer thread listening on ``host:port`` (fire and forget)."""
         try:
             self._udp.sendto(self._guard.seal_bell(what), (host, port))
-            self.counters["rung"] += 1
+            self.counters.add(Count.RUNG)
         except OSError:  # full buffer, no route: the peer's fallback poll still runs
-            self.counters["ring_failed"] += 1
+            self.counters.add(Count.RING_FAILED)
 
     def wake(self) -> None:
         """Wake our own thread (from any thread: the engine's submit, stop)."""
@@ -145,7 +146,7 @@ class Doorbell:
                 if sock is self._udp:
                     opened = self._guard.open_bell(data)
                     if opened is None:
-                        self.counters["refused"] += 1
+                        self.counters.add(Count.REFUSED)
                         continue
                     data = opened
                     self._note_ringer(source)
@@ -157,9 +158,9 @@ class Doorbell:
                     else:
                         out.messages += 1
         if out.rings:
-            self.counters["heard"] += out.rings
-            self.counters["heard_write"] += len(out.writes)
-            self.counters["heard_done"] += len(out.dones)
+            self.counters.add(Count.HEARD, n=out.rings)
+            self.counters.add(Count.HEARD_WRITE, n=len(out.writes))
+            self.counters.add(Count.HEARD_DONE, n=len(out.dones))
         return out
 
     def heard_from(self, host: str, port: int) -> bool:
@@ -184,10 +185,8 @@ class IncomingWrites:
     remembered as landed for ``max_wait_s``, so a late WRITE bell starts no wait and a DONE
     bell that comes after its completion no fast polls. Pure: the clock is an argument."""
 
-    def __init__(
-        self, counters: Counter[str], max_wait_s: float = 0.05, max_tracked: int = 4096
-    ) -> None:
-        self.counters = counters
+    def __init__(self, max_wait_s: float = 0.05, max_tracked: int = 4096) -> None:
+        self.counters = Counts()  # merged into the thread's when it stops
         self.max_wait_s, self.max_tracked = max_wait_s, max_tracked
         self._until: dict[bytes, float] = {}  # announced, not landed: key -> give up at
         self._landed: dict[bytes, float] = {}  # landed before its bell: key -> when
@@ -197,7 +196,7 @@ class IncomingWrites:
             if key in self._landed:
                 continue  # its completion is in already
             if len(self._until) >= self.max_tracked:  # a flood of forged bells
-                self.counters["incoming_dropped"] += 1
+                self.counters.add(Count.INCOMING_DROPPED)
                 continue
             self._until[key] = now_s + self.max_wait_s
 
@@ -215,7 +214,7 @@ class IncomingWrites:
         if self._until:
             for key in [k for k, until in self._until.items() if until <= now_s]:
                 del self._until[key]
-                self.counters["incoming_expired"] += 1
+                self.counters.add(Count.INCOMING_EXPIRED)
         if self._landed:
             for key in [k for k, t in self._landed.items() if t + self.max_wait_s <= now_s]:
                 del self._landed[key]

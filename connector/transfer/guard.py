@@ -14,12 +14,13 @@ import logging
 import secrets
 import struct
 import time
-from collections import Counter
 from collections.abc import Callable
 
 from connector.core import auth
 from connector.core import messages as m
 from connector.core.errors import RemoteProtocolError
+from telemetry.counts import Counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Guard:
         self._replay = auth.ReplayWindow(self._window_ms)
         self._prefix = secrets.token_bytes(8)  # unique per process; the counter per message
         self._seq = itertools.count()
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     @property
     def enabled(self) -> bool:
@@ -77,8 +78,7 @@ class Guard:
 
     def refused(self, reason: str, what: str, exc: RemoteProtocolError) -> None:
         """Count a refusal; log the 1st, 2nd, 4th, 8th... of each reason (a flood stays quiet)."""
-        key = f"auth_{reason}"
-        self.counters[key] += 1
-        n = self.counters[key]
+        self.counters.add(Count.AUTH, reason)
+        n = self.counters.of(Count.AUTH, reason)
         if n & (n - 1) == 0:
             logger.warning("Refused a %s: %s (%d so far)", what, exc, n)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.core.messages import FailReason
 from connector.core.state import RecvState, SendState
-from telemetry.schema import Metric
+from telemetry.schema import Count, Metric
 
 if TYPE_CHECKING:
     from connector.transfer.thread import TransferThread
@@ -58,8 +58,8 @@ def census(thread: TransferThread, now_ns: int) -> tuple[dict[str, int], dict[st
             totals[k] = totals.get(k, 0) + n
 
     gauges: dict[str, float] = {}
-    add(key(Metric.DROPPED, "malformed"), thread.counters["malformed_notifs"])
-    add(key(Metric.DROPPED, "unauthenticated"), thread.counters["unauthenticated_notifs"])
+    add(key(Metric.DROPPED, "malformed"), thread.counters.of(Count.MALFORMED_NOTIFS))
+    add(key(Metric.DROPPED, "unauthenticated"), thread.counters.of(Count.UNAUTHENTICATED_NOTIFS))
     for side, end in (("send", thread.sender), ("recv", thread.receiver)):
         if end is None:
             continue
@@ -71,10 +71,10 @@ def census(thread: TransferThread, now_ns: int) -> tuple[dict[str, int], dict[st
             )
         for kind, n in table.dropped.items():
             add(key(Metric.DROPPED, "table_full" if kind == "table_full" else "stale"), n)
-        add(key(Metric.DROPPED, "sender_mismatch"), end.counters["sender_mismatch"])
+        add(key(Metric.DROPPED, "sender_mismatch"), end.counters.of(Count.SENDER_MISMATCH))
     s, r = thread.sender, thread.receiver
     if s is not None:
-        add(key(Metric.HEARTBEATS, "received"), s.counters["heartbeats"])
+        add(key(Metric.HEARTBEATS, "received"), s.counters.of(Count.HEARTBEATS))
         blocks, age_ns = s.table.held(now_ns)
         gauges[Metric.REGISTRATIONS_WAITING.value] = s.table.live[SendState.REGISTERED]
         gauges[Metric.PREFILLS_WAITING.value] = s.table.live[SendState.PREFILLED]
@@ -82,13 +82,13 @@ def census(thread: TransferThread, now_ns: int) -> tuple[dict[str, int], dict[st
         gauges[Metric.OLDEST_HELD.value] = age_ns / 1e9
         gauges[Metric.WRITES_IN_FLIGHT.value] = s.writes_in_flight()
     if r is not None:
-        add(key(Metric.HEARTBEATS, "sent"), r.counters["heartbeats_sent"])
+        add(key(Metric.HEARTBEATS, "sent"), r.counters.of(Count.HEARTBEATS_SENT))
         live = r.table.live
         gauges[Metric.AWAITING_KV.value] = live[RecvState.AWAITING] + live[RecvState.CANCELLING]
     bell = thread.bell
     if bell is not None:
-        add(key(Metric.DOORBELLS, "sent"), bell.counters["rung"])
-        add(key(Metric.DOORBELLS, "received"), bell.counters["heard"])
+        add(key(Metric.DOORBELLS, "sent"), bell.counters.of(Count.RUNG))
+        add(key(Metric.DOORBELLS, "received"), bell.counters.of(Count.HEARD))
     return totals, gauges
 
 

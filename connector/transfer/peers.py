@@ -18,7 +18,6 @@ poll with ``PeerGone`` (the transfer's reason: ``peer_lost``), not at the dial d
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +25,8 @@ from connector.core.errors import PeerDisconnected, PeerGone, PeerUnreachable, T
 from connector.core.messages import PeerAddr
 from connector.transfer.doorbell import MESSAGE, Doorbell
 from connector.transport.base import Transport
+from telemetry.counts import Counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Peers:
         self._backoff = (backoff_min_ns, max(backoff_min_ns, backoff_max_ns))
         self._now_ns = 0  # the latest time the loop gave us (for ``lost``, which has none)
         self._bell = bell
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     def ring(self, agent: str, what: bytes = MESSAGE) -> None:
         """Wake ``agent``'s transfer thread: we just sent it something, or posted a WRITE."""
@@ -100,7 +101,7 @@ class Peers:
                 return
             down = self._down.get(agent)
             if down is not None and now_ns < down.until_ns:
-                self.counters["peer_backoff_failed"] += 1
+                self.counters.add(Count.PEER_BACKOFF_FAILED)
                 fail(down.err)
                 return
             dial = self._dials[agent] = _Dial(addr, now_ns + self._dial_timeout_ns)
@@ -167,10 +168,10 @@ class Peers:
             err: TransportError
             if refused is not None:
                 err = PeerGone(f"{where} is gone: {refused}")
-                self.counters["peer_gone"] += 1
+                self.counters.add(Count.PEER_GONE)
             else:
                 err = PeerUnreachable(f"no metadata from {where}")
-                self.counters["peer_unreachable"] += 1
+                self.counters.add(Count.PEER_UNREACHABLE)
             logger.warning("%s", err)
             self._mark_down(agent, err)
             try:

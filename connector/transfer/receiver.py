@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from connector.transfer.guard import Guard
 from connector.transfer.peers import NotSent, Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
+from telemetry.counts import Counts
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Receiver:
         self._offer = offer
         self._offered: set[str] = set()  # P agents that have our offer
         self.finished: list[Received] = []
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     # ------------------------------------------------------------------ inputs
     def on_event(
@@ -90,13 +90,13 @@ class Receiver:
 
     def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
         if not isinstance(msg, (m.Completion, m.Fail)):
-            self.counters[f"unexpected_{type(msg).__name__}"] += 1
+            self.counters.add(Count.UNEXPECTED, type(msg).__name__)
             return
         exp = self._expected.get(msg.transfer_id)
         if exp is not None and not any(
             s.p_rank == msg.p_rank and s.addr.agent == agent for s in exp.sources
         ):
-            self.counters["sender_mismatch"] += 1  # a rank speaking for another: drop
+            self.counters.add(Count.SENDER_MISMATCH)  # a rank speaking for another: drop
             return
         if isinstance(msg, m.Completion):
             event: ev.RecvEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
@@ -140,15 +140,15 @@ class Receiver:
                         )
                     )
                     self.peers.send(a.to, frame, now_ns, self._on_heartbeat_error(a.to))
-                    self.counters["heartbeats_sent"] += 1
+                    self.counters.add(Count.HEARTBEATS_SENT)
             elif isinstance(a, ev.ReportReceived):
                 self._expected.pop(a.transfer_id, None)
                 rec = self.table.get(a.transfer_id)
                 if not a.ok:
                     reason = a.reason.value if a.reason else "unknown"
-                    self.counters[f"{Count.RECV_FAILED.value}{reason}"] += 1
+                    self.counters.add(Count.RECV_FAILED, reason)
                 if rec is not None and rec.abandoned:
-                    self.counters[Count.RECV_ABANDONED.value] += 1
+                    self.counters.add(Count.RECV_ABANDONED)
                     logger.error("Transfer %s abandoned: a P rank never answered", a.transfer_id)
                 elif not a.ok:
                     logger.warning(
@@ -218,7 +218,7 @@ class Receiver:
         def fail(exc: TransportError) -> None:
             # Undelivered: that rank never saw this message, or is gone. Either way it
             # will not write for this transfer.
-            self.counters[Count.SEND_FAILED.value] += 1
+            self.counters.add(Count.SEND_FAILED)
             logger.warning("Transfer %s: message to P rank %d failed: %s", tid, src.p_rank, exc)
             if isinstance(exc, PeerDisconnected):
                 reason = m.FailReason.PEER_LOST
@@ -239,12 +239,12 @@ class Receiver:
         return fail
 
     def _count_failure(self, exc: TransportError) -> None:
-        self.counters[Count.SEND_FAILED.value] += 1
+        self.counters.add(Count.SEND_FAILED)
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _on_heartbeat_error(self, addr: m.PeerAddr) -> Callable[[TransportError], None]:
         def fail(exc: TransportError) -> None:
-            self.counters["heartbeat_failed"] += 1
+            self.counters.add(Count.HEARTBEAT_FAILED)
             if isinstance(exc, PeerDisconnected):
                 self._offered.discard(addr.agent)
                 now = self._clock()

@@ -13,7 +13,6 @@ import enum
 import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, PrefillNote
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.base import Transport, WriteHandle
+from telemetry.counts import Counts
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Sender:
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
         self.paths = paths
         self.finished: list[str] = []  # request ids whose blocks go back (finished_sending)
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
 
     # ------------------------------------------------------------------ inputs
     def on_event(
@@ -160,7 +160,7 @@ class Sender:
             isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer))
             and msg.d_addr.agent != agent
         ):
-            self.counters["sender_mismatch"] += 1
+            self.counters.add(Count.SENDER_MISMATCH)
             logger.warning(
                 "Dropped %s for %s: sent by %s, claims %s",
                 type(msg).__name__,
@@ -187,16 +187,16 @@ class Sender:
                 now_ns,
             )
         elif isinstance(msg, m.Heartbeat):
-            self.counters["heartbeats"] += 1
+            self.counters.add(Count.HEARTBEATS)
             for tid in msg.transfer_ids():
                 self._run(self.table.handle(ev.HeartbeatSeen(tid, msg.d_addr), now_ns), now_ns)
         elif isinstance(msg, m.IpcOffer):
             if self.paths is None:
-                self.counters["ipc_offers_ignored"] += 1
+                self.counters.add(Count.IPC_OFFERS_IGNORED)
             else:
                 self.paths.offered(agent, msg)
         else:
-            self.counters[f"unexpected_{type(msg).__name__}"] += 1
+            self.counters.add(Count.UNEXPECTED, type(msg).__name__)
 
     def poll(self, now_ns: int) -> None:
         for tid, rec in self._transfers.items():
@@ -277,14 +277,14 @@ class Sender:
             elif isinstance(a, ev.AbortWrite):
                 self._abort(a.transfer_id, now_ns)
             elif isinstance(a, ev.SendFail):
-                self.counters[f"{Count.FAIL_SENT.value}{a.reason.value}"] += 1
+                self.counters.add(Count.FAIL_SENT, a.reason.value)
                 frame = self._codec.encode(
                     m.Fail(transfer_id=a.transfer_id, p_rank=self.me.rank, reason=a.reason)
                 )
                 for addr in a.to:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
             elif isinstance(a, ev.ResendCompletion):
-                self.counters[Count.COMPLETION_RESENT.value] += 1
+                self.counters.add(Count.COMPLETION_RESENT)
                 frame = self._completion(a.transfer_id, 0, 0)
                 for addr in a.to:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
@@ -322,7 +322,7 @@ class Sender:
         )
 
     def _count_send_failure(self, exc: TransportError) -> None:
-        self.counters[Count.SEND_FAILED.value] += 1
+        self.counters.add(Count.SEND_FAILED)
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _post(self, a: ev.IssueWrite, now_ns: int) -> None:
@@ -445,7 +445,7 @@ class Sender:
         self._note_failure(w, reason, exc)
 
     def _note_failure(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
-        self.counters[f"{Count.WRITE_FAILED.value}{reason.value}"] += 1
+        self.counters.add(Count.WRITE_FAILED, reason.value)
         if w.failure is None:
             w.failure, w.detail = reason, str(exc)
             logger.warning(
@@ -481,7 +481,7 @@ class Sender:
         self._end(tid, rec)
         w.report.done_ns = time.time_ns()
         w.report.ok, w.report.reason = w.failure is None, w.failure
-        self.counters[f"path_{w.report.path}"] += 1
+        self.counters.add(Count.PATH, w.report.path)
         if self._on_write_finished is not None:
             self._on_write_finished(w.report)
         self.spans.write_finished(w.report)
@@ -523,7 +523,7 @@ class Sender:
         if rec.phase is Phase.DEFERRED:
             # Never posted (its KV was not computed yet): it must not start past its deadline.
             self._end(tid, rec)
-            self.counters[f"{Count.WRITE_FAILED.value}{m.FailReason.WRITE_TIMEOUT.value}"] += 1
+            self.counters.add(Count.WRITE_FAILED, m.FailReason.WRITE_TIMEOUT.value)
             event = ev.WriteFailed(tid, m.FailReason.WRITE_TIMEOUT, "KV not ready in time")
             self._run(self.table.handle(event, now_ns), now_ns)
             return

@@ -19,7 +19,6 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,6 +35,8 @@ from connector.transfer.polling import Backoff
 from connector.transfer.receiver import Received, Receiver
 from connector.transfer.sender import Sender
 from connector.transport.base import Transport
+from telemetry.counts import Counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +142,9 @@ class TransferThread:
         self._results = threading.Event()  # set while _sent or _recvd holds something
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
-        self.counters: Counter[str] = Counter()
+        self.counters: Counts = Counts()
         self.metrics = metrics
-        self._incoming = IncomingWrites(self.counters) if bell is not None else None
+        self._incoming = IncomingWrites() if bell is not None else None
         if sender is not None and sender.paths is not None:
             sender.paths.bind_waker(self._wake.wake)  # a GPU copy's end wakes us at once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -190,8 +191,12 @@ class TransferThread:
 
     def wait_for_results(self, timeout_s: float) -> bool:
         """Block until a transfer result is ready to take (True) or ``timeout_s`` passed.
-        For an engine step with nothing else to do (see ``PushkvConfig.idle_step_wait_s``)."""
-        return self._results.wait(timeout_s)
+        For an engine step with nothing else to do (see ``PushkvConfig.idle_step_wait_s``);
+        counted here, from the engine's thread."""
+        got = self._results.wait(timeout_s)
+        self.counters.add(Count.IDLE_STEP_WAITS)
+        self.counters.add(Count.IDLE_STEP_WAIT_RESULTS if got else Count.IDLE_STEP_WAIT_TIMEOUTS)
+        return got
 
     @property
     def transfers_pending(self) -> bool:
@@ -219,10 +224,13 @@ class TransferThread:
                 return  # still inside wait(): leave the bell's sockets to the process
         for endpoint in (self.sender, self.receiver):  # their fault counters (schema.Count)
             if endpoint is not None:
-                self.counters.update(endpoint.counters)
-        self.counters.update(self._peers.counters)  # peers gone, unreachable, backed off
+                self.counters.merge(endpoint.counters)
+        self.counters.merge(self._peers.counters)  # peers gone, unreachable, backed off
+        if self._incoming is not None:
+            self.counters.merge(self._incoming.counters)
+        self.counters.merge(self._t.counters)  # the transport's own (NIXL: metadata loads)
         if self._bell is not None:
-            self.counters.update({f"bell_{k}": v for k, v in self._bell.counters.items()})
+            self.counters.merge(self._bell.counters, prefix=Count.BELL)
             self._bell.close()
             self._bell = None
 
@@ -240,11 +248,11 @@ class TransferThread:
         _unpin()
         woken, rung = False, False
         while not self._stop.is_set():
-            self.counters["polls"] += 1
+            self.counters.add(Count.POLLS)
             try:
                 active = self._step()
             except Exception:  # never let one bad iteration kill the thread
-                self.counters["loop_errors"] += 1
+                self.counters.add(Count.LOOP_ERRORS)
                 logger.exception("Transfer thread iteration failed; continuing")
                 active = False
             now_s = self._clock() / 1e9
@@ -322,7 +330,7 @@ class TransferThread:
         try:
             notifs = self._t.get_notifs()
         except TransportError as exc:
-            self.counters["get_notifs_failed"] += 1
+            self.counters.add(Count.GET_NOTIFS_FAILED)
             logger.warning("Reading notifications failed: %s", exc)
             notifs = []
         for agent, frame in notifs:
@@ -368,20 +376,20 @@ class TransferThread:
         except PushkvError:
             # Our bug (LocalProtocolError) or a layout we cannot serve: log it once with
             # the transfer id; the transfer's deadline still ends it definitely.
-            self.counters["event_errors"] += 1
+            self.counters.add(Count.EVENT_ERRORS)
             logger.exception("Handling %s failed", event)
 
     def _dispatch_frame(self, agent: str, frame: bytes, now: int) -> None:
         if not m.is_frame(frame):
-            self.counters["foreign_notifs"] += 1
+            self.counters.add(Count.FOREIGN_NOTIFS)
             return
         try:
             msg = self.guard.decode(frame, agent)
         except RemoteProtocolError as exc:
-            self._drop("malformed_notifs", "Dropped a notification from %s: %s", agent, exc)
+            self._drop(Count.MALFORMED_NOTIFS, "Dropped a notification from %s: %s", agent, exc)
             return
         if msg is None:  # failed authentication: counted by the guard
-            self.counters["unauthenticated_notifs"] += 1
+            self.counters.add(Count.UNAUTHENTICATED_NOTIFS)
             return
         if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer)):
             target: Sender | Receiver | None = self.sender
@@ -390,14 +398,14 @@ class TransferThread:
             if isinstance(msg, (m.Completion, m.Fail)) and self._incoming is not None:
                 self._incoming.landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
         if target is None:
-            self.counters["misrouted_notifs"] += 1
+            self.counters.add(Count.MISROUTED_NOTIFS)
             return
         target.on_message(agent, msg, now)
 
-    def _drop(self, counter: str, fmt: str, *args: Any) -> None:
+    def _drop(self, counter: Count, fmt: str, *args: Any) -> None:
         """Count a dropped message; log the 1st, 2nd, 4th, 8th... so a flood stays quiet."""
-        self.counters[counter] += 1
-        n = self.counters[counter]
+        self.counters.add(counter)
+        n = self.counters.of(counter)
         if n & (n - 1) == 0:
             logger.warning(fmt + " (%d so far)", *args, n)
 

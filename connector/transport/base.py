@@ -27,7 +27,7 @@ Contract (every implementation keeps it):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -62,6 +62,12 @@ class Transport(Protocol):
     @property
     def listen_address(self) -> tuple[str, int]:
         """Where peers fetch our metadata (host, port)."""
+        ...
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The transport's own counters (``telemetry.schema.Count`` names); the transfer
+        thread merges them into its own when it stops."""
         ...
 
     def register_memory(

@@ -41,6 +41,7 @@ from connector.transport.base import (
     tensor_extents,
     validate_write_descs,
 )
+from telemetry.counts import Counts
 
 
 @dataclass
@@ -245,6 +246,7 @@ class FakeTransport:
     """``Transport`` on a ``FakeFabric``. Create with ``fabric.transport(name)``."""
 
     def __init__(self, fabric: FakeFabric, name: str, listen: tuple[str, int]) -> None:
+        self.counters: Counts = Counts()  # none yet: the fake counts nothing of its own
         self._fabric = fabric
         self._name = name
         self._listen = listen

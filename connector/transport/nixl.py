@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
@@ -42,6 +41,8 @@ from connector.transport.base import (
     validate_write_descs,
 )
 from connector.transport.sidechannel import SideChannel
+from telemetry.counts import Counts
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class NixlTransport:
         )
         self._agent: Any = agent
         self._loaded: dict[str, bytes] = {}  # peer -> the metadata bytes we loaded for it
-        self.counters: Counter[str] = Counter()  # metadata loads, by outcome
+        self.counters: Counts = Counts()  # metadata loads, by outcome
         self._regs: list[Any] = []  # nixlRegDList per register call, for deregistration
         self._handles: set[WriteHandle] = set()
         self._inbox: list[tuple[str, bytes]] = []  # arrived during progress, not yet taken
@@ -226,30 +227,30 @@ class NixlTransport:
         counted and logged, never raised (the dial retries, then times out)."""
         for got in self._side.drain():
             if self._loaded.get(got.peer) == got.metadata:
-                self.counters["md_unchanged"] += 1  # a peer dialing until it is ready
+                self.counters.add(Count.MD_UNCHANGED)  # a peer dialing until it is ready
                 continue
             try:
                 self._load(got.peer, got.metadata)
             except TransportError as exc:
-                self.counters["md_rejected"] += 1
+                self.counters.add(Count.MD_REJECTED)
                 logger.warning("Metadata of %s (%s) not loaded: %s", got.peer, got.via, exc)
 
     def _load(self, peer: str, metadata: bytes) -> None:
         agent = self._live_agent()
         if peer in self._loaded:
-            self.counters["md_reloaded"] += 1
+            self.counters.add(Count.MD_RELOADED)
             self._unload(peer, "its metadata changed (restarted or re-registered)")
         with _nixl_call("load metadata", peer):
             got = agent.add_remote_agent(metadata)
         name = got.decode("utf-8", "replace") if isinstance(got, bytes) else str(got)
         if name != peer:
-            self.counters["md_name_mismatch"] += 1
+            self.counters.add(Count.MD_NAME_MISMATCH)
             if name not in self._loaded:  # don't keep an agent nobody asked for
                 with _nixl_call("unload misnamed metadata", name):
                     agent.remove_remote_agent(name)
             raise TransportError(f"load metadata (peer {peer!r}): it names agent {name!r}")
         self._loaded[peer] = metadata
-        self.counters["md_loaded"] += 1
+        self.counters.add(Count.MD_LOADED)
 
     def _unload(self, peer: str, why: str | None) -> None:
         """Release the peer's handles, forget its metadata. On a reload (``why``) unfinished

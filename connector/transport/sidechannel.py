@@ -13,7 +13,8 @@ Wire (version 1), both directions the same frame:
 A client sends EXCHANGE (its name and metadata); the server queues them and answers
 REPLY (its name and current metadata), then closes. Anything else (wrong magic or
 version, unknown kind, oversized, truncated, stalled) closes the connection and is
-counted under ``counters["dropped_<reason>"]``; the server never stops serving for it.
+counted under ``Count.SIDE_DROPPED`` (``dropped_<reason>``); the server never stops serving
+for it.
 
 With a shared secret (``key``), the metadata field of both frames is sealed
 (``connector/core/auth.py``): the request's tag covers its agent name, the reply's also the
@@ -47,6 +48,7 @@ from connector.transport.sidechannel_wire import (
     drop_reason,
     encode_frame,
 )
+from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +208,8 @@ class SideChannel:
         self._sel.close()
         self.drain()
 
-    def _count(self, key: str) -> None:
+    def _count(self, name: Count, detail: str = "") -> None:
+        key = name.value + detail
         with self._lock:
             self._counters[key] = self._counters.get(key, 0) + 1  # written by both threads
 
@@ -221,7 +224,7 @@ class SideChannel:
             if reply.name != peer:  # someone else listens there (a port reused)
                 raise bad("wrong_peer", f"answered as {reply.name!r}")
             self._inbox.put(PeerMetadata(peer, reply.metadata, "reply"))
-            self._count("dials_ok")
+            self._count(Count.SIDE_DIALS_OK)
             with self._lock:
                 self._last_error.pop(peer, None)
                 self._refused.pop(peer, None)
@@ -230,14 +233,14 @@ class SideChannel:
                 reason, text = drop_reason(exc), f"{drop_reason(exc)}: {exc.args[-1]}"
             else:
                 reason, text = "unreachable", f"{type(exc).__name__}: {exc}"
-            self._count(f"dials_failed_{reason}")
+            self._count(Count.SIDE_DIALS_FAILED, reason)
             with self._lock:
                 self._last_error[peer] = f"{host}:{port}: {text}"
                 if isinstance(exc, ConnectionRefusedError):
                     self._refused[peer] = self._last_error[peer]
         except Exception:  # a bug of ours: log it, the worker must keep serving
             logger.exception("Side channel dial to %s at %s:%d failed", peer, host, port)
-            self._count("dials_failed_internal")
+            self._count(Count.SIDE_DIALS_FAILED, "internal")
         finally:
             with self._lock:
                 self._pending.discard(key)
@@ -325,11 +328,11 @@ class SideChannel:
             return
         except OSError as exc:  # e.g. EMFILE: keep serving, the client retries
             logger.warning("Side channel of %s: accept failed: %s", self.name, exc)
-            self._count("accept_failed")
+            self._count(Count.SIDE_ACCEPT_FAILED)
             return
         if len(self._conns) >= self._max_conns:
             sock.close()
-            self._count("dropped_busy")
+            self._count(Count.SIDE_DROPPED, "busy")
             return
         sock.setblocking(False)
         # A whole exchange must finish in this time: a stalled client cannot hold a slot.
@@ -365,7 +368,7 @@ class SideChannel:
             )
         except RemoteProtocolError as exc:
             self._drop(conn, drop_reason(exc))
-            n = self.counters.get(f"dropped_{drop_reason(exc)}", 0)
+            n = self.counters.get(Count.SIDE_DROPPED.value + drop_reason(exc), 0)
             if n & (n - 1) == 0:  # 1st, 2nd, 4th...: a flood stays quiet
                 logger.warning(
                     "Side channel of %s refused %r: %s (%d so far)",
@@ -376,7 +379,7 @@ class SideChannel:
                 )
             return
         self._inbox.put(PeerMetadata(frame.name, md, "dialed_us"))
-        self._count("served")
+        self._count(Count.SIDE_SERVED)
         reply, _ = self._seal(auth.SIDE_REPLY, self._local_md, self.name.encode() + nonce)
         conn.out = memoryview(encode_frame(KIND_REPLY, self.name, reply, self._cap()))
         self._sel.modify(conn.sock, selectors.EVENT_WRITE)
@@ -396,7 +399,7 @@ class SideChannel:
             self._close_conn(conn)
 
     def _drop(self, conn: _Conn, reason: str) -> None:
-        self._count(f"dropped_{reason}")
+        self._count(Count.SIDE_DROPPED, reason)
         self._close_conn(conn)
 
     def _close_conn(self, conn: _Conn) -> None:

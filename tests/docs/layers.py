@@ -53,7 +53,13 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "`connector/transport/`",
         ("connector/transport/",),
-        ("connector.core.errors", "connector.core.auth", "connector.transport"),
+        (
+            "connector.core.errors",
+            "connector.core.auth",
+            "connector.transport",
+            "telemetry.schema",
+            "telemetry.counts",
+        ),
         ("vllm", "torch"),
         "NIXL only in `nixl.py`, imported lazily",
     ),
@@ -66,6 +72,7 @@ LAYERS: tuple[Layer, ...] = (
             "connector.transfer",
             "connector.config",
             "telemetry.schema",
+            "telemetry.counts",
             "telemetry.emit",
             "telemetry.setup",
         ),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import Counter
 
 import pytest
 from hypothesis import given
@@ -23,6 +22,7 @@ from connector.transfer.doorbell import (
     write_key,
 )
 from connector.transfer.polling import Backoff
+from telemetry.schema import Count
 from tests.unit.test_endpoints import Pair
 
 BOUND_S = 5.0  # a datagram on loopback takes microseconds; this only bounds a failure
@@ -118,8 +118,7 @@ def test_d_rings_p_with_its_registration_and_p_rings_d_when_it_posts_the_write()
 
 
 def test_an_announced_write_is_awaited_until_its_completion_and_a_late_bell_is_ignored() -> None:
-    counters: Counter[str] = Counter()
-    w = IncomingWrites(counters, max_wait_s=0.05)
+    w = IncomingWrites(max_wait_s=0.05)
     w.announced([b"0:a", b"1:a"], now_s=1.0)
     w.landed(b"0:a", now_s=1.001)
     assert w.pending(1.001), "rank 1's WRITE of a is still in flight"
@@ -133,14 +132,13 @@ def test_an_announced_write_is_awaited_until_its_completion_and_a_late_bell_is_i
     assert not w.done_rung(b"0:b")
     w.announced([b"0:c"], now_s=2.0)  # a WRITE whose completion never comes
     assert w.pending(2.0) and not w.pending(2.05)
-    assert counters["incoming_expired"] == 1
+    assert w.counters.of(Count.INCOMING_EXPIRED) == 1
 
 
 def test_a_flood_of_announced_writes_is_capped() -> None:
-    counters: Counter[str] = Counter()
-    w = IncomingWrites(counters, max_tracked=3)
+    w = IncomingWrites(max_tracked=3)
     w.announced([b"0:%d" % i for i in range(5)], now_s=0.0)
-    assert counters["incoming_dropped"] == 2 and w.pending(0.0)
+    assert w.counters.of(Count.INCOMING_DROPPED) == 2 and w.pending(0.0)
 
 
 # ---------------------------------------------------------------- Backoff (pure)
