@@ -55,7 +55,7 @@ from connector.kv_params import (
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
 from telemetry.counts import Counts
-from telemetry.schema import Count
+from telemetry.schema import Count, Recomputed
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class SchedulerSide:
         except (KvParamsError, pairing.ForeignLegError) as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
-            self.recomputed["bad_params"] += 1
+            self.recomputed[Recomputed.BAD_PARAMS.value] += 1
             self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
 
     def _decode_record(self, request: Any, leg: DecodeLeg) -> _Req:
@@ -360,7 +360,8 @@ class SchedulerSide:
             if rec is None:
                 continue
             if rid in failed and rec.state is not ReqState.LOAD_FAILED:
-                self.recomputed["transfer_failed"] += 1  # or failed: kv_load_failure_policy
+                # or failed: kv_load_failure_policy
+                self.recomputed[Recomputed.TRANSFER_FAILED.value] += 1
             move = self._next(rid, rec, lc.RecvReported(rid))
             if move.effect is Effect.TIME_FIRST_TOKEN and self._tracer is not None:
                 rec.kv_ns = time.time_ns()

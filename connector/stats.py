@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from telemetry.schema import METRICS, Metric
+from telemetry.schema import METRICS, Metric, Recomputed
 
 _SEP = "|"
 _SECONDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
@@ -106,7 +106,7 @@ def recomputed_counts(recomputed: Any, recompute: bool) -> dict[str, Any] | None
     counts = {
         _SEP.join((Metric.RECOMPUTED.value, why)): n
         for why, n in recomputed.items()
-        if n and (recompute or why != "transfer_failed")
+        if n and (recompute or why != Recomputed.TRANSFER_FAILED.value)
     }
     recomputed.clear()
     return {"samples": {}, "counts": counts, "gauges": {}} if counts else None

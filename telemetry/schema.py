@@ -234,6 +234,13 @@ class Count(str, Enum):
     LATE_WRITES = "late_writes"
 
 
+class Recomputed(str, Enum):
+    """``reason`` label values of ``Metric.RECOMPUTED``: why D computed a prompt itself."""
+
+    BAD_PARAMS = "bad_params"  # a decode leg whose kv_transfer_params did not parse
+    TRANSFER_FAILED = "transfer_failed"  # the load failed (kv_load_failure_policy recompute)
+
+
 class RouterMode(str, Enum):
     """``pushkv.mode`` values: the router's modes (connector/router/config.py's Mode)."""
 
