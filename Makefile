@@ -7,7 +7,7 @@ export UCX_TLS ?= tcp,sm,self
 export UCX_NET_DEVICES ?= lo
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv test unit perf lint demo clean bench-smoke test-vllm026
+.PHONY: venv test unit perf lint demo clean bench-smoke test-vllm026 soak
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
@@ -35,6 +35,13 @@ lint: $(STAMP)
 # The 2 x 2 sweep of `pushkv bench --sweep --smoke` with its checks (part of `make test` too).
 bench-smoke: $(STAMP)
 	$(PY) -m pytest -q -s tests/e2e/test_sweep_smoke.py
+
+# The soak's long form: 2,000 requests, 16 at a time, 10 % client aborts, P killed -9 and
+# restarted midway (`make test` runs a 240-request form: tests/e2e/test_soak_e2e.py).
+# Exit 1 on a broken promise; the report is $(SOAK_DIR)/soak.json.
+SOAK_DIR ?= runs/soak-$(shell date +%Y%m%d-%H%M%S)
+soak: $(STAMP)
+	$(PY) -m bench.soak --requests 2000 --run-dir $(SOAK_DIR)
 
 # vLLM 0.26 in a second venv (scripts/install.sh .venv026 0.26.0): the version adapter's
 # unit tests against the real 0.26, and greedy P/D through the router equal to one instance.
