@@ -83,10 +83,10 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     poll_idle_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     # Idle with a doorbell: every peer's news rings, and an engine event wakes the thread, so
     # the idle poll only catches a peer without doorbells (whose registration P then takes
-    # up at its own prefill's end at the latest). Each idle poll is a round of UCX progress
-    # (~0.3 ms of CPU: 0.06 % of a core at 0.5 s, ``python -m bench.idle_cost``). Not longer:
-    # a new peer's first message needs a few rounds of our progress for UCX's wire-up, and
-    # its bell rings before the first of them (5 s made a first registration take > 10 s).
+    # up at its own prefill's end at the latest). Each idle poll is a round of UCX progress,
+    # cheap at this interval (docs/benchmarks.md, "Measurements behind the defaults"). Not
+    # longer: a new peer's first message needs a few rounds of our progress for UCX's
+    # wire-up, and its bell rings before the first of them.
     # The thread still wakes for every lease, deadline and heartbeat on time (_until_due).
     poll_idle_bell_s: Annotated[float, msgspec.Meta(gt=0, le=60.0)] = 0.5
     # Doorbells (connector/transfer/doorbell.py): a peer that sends us something also sends a UDP
@@ -114,8 +114,8 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tombstone_s: Seconds = _s(SenderPolicy.tombstone_ns)
     # GPU only: how P moves KV into a D on its own node. "auto" picks per transfer between
     # NIXL descriptors and a copy kernel into D's KV mapped through CUDA IPC
-    # (connector/core/xfer_path.py; scattered blocks move at ~99 % of the contiguous rate
-    # instead of ~1 %, ``python -m bench.gpu_paths``); "direct" always uses descriptors;
+    # (connector/core/xfer_path.py: the kernel moves scattered blocks near the contiguous
+    # rate, descriptors far below it; docs/benchmarks.md); "direct" always uses descriptors;
     # "ipc" copies whenever D's KV can be mapped (benchmarks, tests).
     xfer_paths: Literal["auto", "direct", "ipc"] = "auto"
     # Security (docs/security.md). The P/D plane's shared secret: a file holding it, the

@@ -1,4 +1,5 @@
-"""Test-only: D proves that no WRITE lands in blocks it has freed (issue #21, no late WRITE).
+"""Test-only: D proves that no WRITE lands in blocks it has freed (docs/protocol.md, no late
+WRITE).
 
 Owns: ``FreedCheck``. For the transfers of a chosen prompt length that D aborted (its
 ``cancel`` said ``aborted``: the request is gone, vLLM frees its blocks), it fills the

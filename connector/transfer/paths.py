@@ -61,8 +61,8 @@ class Paths(Protocol):
 
     def choose(self, reg: m.Register, src_blocks: BlockTable, heads: HeadRange) -> PathChoice:
         """The path for one target (``heads``: the global KV heads this P rank writes to it),
-        decided without planning descriptors (that costs ~2 ms at 16k tokens,
-        ``python -m bench.gpu_push``): the Sender plans only direct ones."""
+        decided without planning descriptors (costly for long prompts, docs/benchmarks.md):
+        the Sender plans only direct ones."""
         ...
 
     def bind_waker(self, wake: Callable[[], None]) -> None:

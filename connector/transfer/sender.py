@@ -171,7 +171,7 @@ class Sender:
             return
         if isinstance(msg, m.Register):
             # Fetch D's metadata and check its layout now, while P may still be computing:
-            # off the critical path (validating 64 regions takes ~3 ms).
+            # off the critical path (validation is costly for many regions, docs/benchmarks.md).
             self.peers.when_ready(msg.d_addr, now_ns, _noop, _noop_fail)
             try:
                 self._check_layout(msg.layout)

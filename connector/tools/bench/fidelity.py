@@ -1,4 +1,4 @@
-"""Whether each request's trace accounts for the TTFT its client saw (issue #18).
+"""Whether each request's trace accounts for the TTFT its client saw (docs/benchmarks.md).
 
 Owns: matching ``vllm bench serve``'s saved per-request TTFTs to the router's request spans
 by request id (the client sends ``<prefix><index>`` as ``X-Request-Id``; the router records

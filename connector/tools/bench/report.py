@@ -142,7 +142,7 @@ def median_results(rounds: Sequence[Sequence[LevelResult]]) -> list[LevelResult]
 
 def fidelity_lines(results: Sequence[LevelResult]) -> list[str]:
     """One line per (configuration, concurrency) whose traces were checked against the
-    client's TTFTs (issue #18: >= 95 % within 2 % + 2 ms)."""
+    client's TTFTs (the criterion: >= 95 % within 2 % + 2 ms)."""
     return [
         f"{r.config} c={r.concurrency}: {describe(r.fidelity)}"
         for r in results

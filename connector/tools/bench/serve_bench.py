@@ -180,7 +180,7 @@ def run_config(
 
 
 def _check_fidelity(results: Sequence[LevelResult], cfg_dir: Path, log: Log) -> None:
-    """Each level's client TTFTs against the router's traces (issue #18's criterion)."""
+    """Each level's client TTFTs against the router's traces (``fidelity``'s criterion)."""
     try:
         traces = read_run(cfg_dir).traces
     except RunFolderError:

@@ -1,4 +1,5 @@
-"""The freed-block check and the held WRITE (test-only ``_faults``; issue #21, no late WRITE).
+"""The freed-block check and the held WRITE (test-only ``_faults``; docs/protocol.md, "No late
+WRITE").
 
 P's and D's real endpoints over the fake fabric (whose WRITEs copy bytes): P holds the
 WRITE of a 16-token prompt until D's cancel has arrived, then posts it, so every byte
