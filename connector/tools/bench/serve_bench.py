@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +67,7 @@ from connector.tools.bench.vllm_bench import (
     Workload,
     bench_command,
     decode_prompt_tokens,
+    git_commit,
     run_bench_serve,
 )
 from connector.tools.stack import ServerError, group_pids
@@ -293,11 +293,6 @@ def _run_levels(
     return results
 
 
-def _git_commit() -> str | None:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    return out.stdout.strip() or None
-
-
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pushkv bench", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -430,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "started": datetime.now().isoformat(timespec="seconds"),
         "argv": ["pushkv", "bench", *(sys.argv[1:] if argv is None else argv)],
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "model": str(model),

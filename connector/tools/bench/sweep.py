@@ -33,7 +33,6 @@ import os
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,7 +51,13 @@ from connector.tools.bench.stacks import (
     stop_and_check,
 )
 from connector.tools.bench.sweep_points import Point, SweepPlan
-from connector.tools.bench.vllm_bench import RunFailure, Workload, bench_command, run_bench_serve
+from connector.tools.bench.vllm_bench import (
+    RunFailure,
+    Workload,
+    bench_command,
+    git_commit,
+    run_bench_serve,
+)
 from connector.tools.stack import ServerError
 from connector.tools.tinymodel import MODELS, kv_bytes_per_token, make_tiny_model
 
@@ -403,9 +408,16 @@ def _warm_up(setup: Setup, stack: SweepStack, cfg_dir: Path) -> RunFailure | Non
 
 
 def run_point(
-    name: str, setup: Setup, stack: SweepStack, point: Point, limit_s: float
+    name: str,
+    setup: Setup,
+    stack: SweepStack,
+    point: Point,
+    limit_s: float,
+    budget_cut: bool = False,
 ) -> tuple[dict[str, Any], RunFailure | None]:
-    """One ``vllm bench serve`` run at ``point``; its traces and decomposition; its file."""
+    """One ``vllm bench serve`` run at ``point``; its traces and decomposition; its file.
+    ``budget_cut``: ``limit_s`` is what the sweep's ``--max-minutes`` left, shorter than the
+    point's own bound, so a run killed at it ran out of time rather than hung."""
     plan, cfg_dir = setup.plan, setup.run_dir / name
     out = sweep_points.bench_file(setup.run_dir, name, point)
     out.unlink(missing_ok=True)  # a failed earlier try must not pass for this one's
@@ -425,6 +437,8 @@ def run_point(
         limit_s,
     )
     wall = time.monotonic() - t0
+    if failure is not None and failure.hung and budget_cut:
+        failure = RunFailure(f"cut after {limit_s:.0f} s by the sweep's --max-minutes, unfinished")
     if failure is None and not out.is_file():
         failure = RunFailure(f"vllm bench serve saved no {out.name}")
     after = trace_slices.wait_quiet(cfg_dir)
@@ -496,7 +510,8 @@ def _point(
     if left < _expected_s(plan, point):
         log(f"[{name}] out of time at {point.name}: what is left is for a resumed run")
         return False
-    record, failure = run_point(name, setup, stack, point, min(plan.limit_s(point), left))
+    limit = plan.limit_s(point)
+    record, failure = run_point(name, setup, stack, point, min(limit, left), left < limit)
     m, dec = record["metrics"], record["decomposition"]
     log(
         f"[{name}] {point.name}: {record['completed']}/{record['num_prompts']} ok, "
@@ -592,11 +607,6 @@ def _console(run_dir: Path, total: int) -> Iterator[tuple[Log, Callable[[str], N
         yield log, advance
 
 
-def _commit() -> str | None:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    return out.stdout.strip() or None
-
-
 def rerender(run_dir: Path) -> int:
     """``--rerender``: the points' decompositions again, from their traces, and the files
     built from them; the run's metadata stays, with the commit that re-rendered it."""
@@ -609,13 +619,13 @@ def rerender(run_dir: Path) -> int:
         record["decomposition"] = trace_slices.decomposition(folder)
         path.write_text(json.dumps(record, indent=2) + "\n")
     meta = {k: v for k, v in data.items() if k != "points"}
-    meta["rerendered_at"] = _commit()
+    meta["rerendered_at"] = git_commit()
     _publish(run_dir, meta, print)
     return 0
 
 
 def _meta(argv: Sequence[str], setup: Setup, configs: Sequence[str]) -> dict[str, Any]:
-    commit = _commit()
+    commit = git_commit()
     return {
         "kind": "sweep",
         "argv": ["pushkv", "bench", "--sweep", *argv],

@@ -209,3 +209,12 @@ def decode_prompt_tokens(url: str) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     return {src: metric_sum(text, SOURCE_METRIC, source=src) or 0.0 for src in SOURCES}
+
+
+def git_commit() -> str | None:
+    """The checkout's commit; ``PUSHKV_COMMIT`` where the copy's git HEAD is not it (the GPU
+    machine's copy of the working tree: scripts/gpu/run.sh)."""
+    if os.environ.get("PUSHKV_COMMIT"):
+        return os.environ["PUSHKV_COMMIT"]
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or None

@@ -87,7 +87,12 @@ def _fake_sweep(
         return FakeStack()
 
     def fake_point(
-        name: str, setup: sweep.Setup, stack: Any, point: Point, limit_s: float
+        name: str,
+        setup: sweep.Setup,
+        stack: Any,
+        point: Point,
+        limit_s: float,
+        budget_cut: bool = False,
     ) -> tuple[dict[str, Any], RunFailure | None]:
         ran.append((name, point.name))
         n = setup.plan.num_prompts(point)
@@ -158,6 +163,25 @@ def test_the_sweep_stops_starting_points_at_its_time_bound(
     assert 0 < len(ran) < 8
     left = [p for p in sweep.make_plan(sweep.parse_args(["--smoke"])).points()]
     assert not all(sweep_points.is_done(tmp_path / "run", "push", p) for p in left)
+
+
+@pytest.mark.parametrize("budget_cut", [False, True])
+def test_a_run_killed_at_the_sweeps_time_budget_is_cut_not_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget_cut: bool
+) -> None:
+    def killed(cmd: Any, log_path: Path, limit_s: float) -> RunFailure:
+        return RunFailure(f"vllm bench serve hung: still running after {limit_s:.0f} s", True)
+
+    monkeypatch.setattr(sweep, "run_bench_serve", killed)
+    monkeypatch.setattr(sweep.trace_slices, "wait_quiet", lambda *a, **k: {})
+    plan = sweep.make_plan(sweep.parse_args(["--smoke"]))
+    setup = sweep.Setup(plan, tmp_path / "m", (), False, tmp_path / "run", 0.0)
+    stack: Any = type("S", (), {"url": "http://127.0.0.1:1"})()
+    point = next(iter(plan.points()))
+    record, failure = sweep.run_point("push", setup, stack, point, 31.0, budget_cut)
+    assert failure is not None and failure.hung is not budget_cut
+    cut = "cut after 31 s by the sweep's --max-minutes"
+    assert (cut in record["reason"]) is budget_cut, record["reason"]
 
 
 def test_a_slice_is_whole_lines_written_between_two_marks(tmp_path: Path) -> None:
