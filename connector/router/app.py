@@ -3,9 +3,10 @@
 Owns: ``RouterState`` (everything one app instance holds: backends, in-flight background
 tasks, counters; no module globals), ``create_app(config)``, the endpoints
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/router/stats``, ``/metrics``), the ids and timings every answer carries
-(``traceresponse``, ``Server-Timing``), the client-disconnect watch, and ``main(argv)``
-(uvicorn). Each request's attempts are ``relay.serve_request``'s.
+``/router/stats``, ``/metrics``; ``/admin/`` is ``drain.py``'s), the ids and timings every
+answer carries (``traceresponse``, ``Server-Timing``), the client-disconnect watch, and
+``main(argv)`` (``serve.py``: uvicorn, the drain on SIGTERM). Each request's attempts are
+``relay.serve_request``'s.
 
 Must not import: vLLM, NIXL, torch (the router runs in its own process, next to neither).
 """
@@ -35,6 +36,7 @@ from connector.router.answer import SSE_DONE
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
+from connector.router.drain import RouterDrain, admin_routes
 from connector.router.looplag import LoopLag
 from connector.router.metrics import RouterMetrics
 from connector.router.relay import DEGRADED, serve_request
@@ -61,6 +63,7 @@ class RouterState:
         self.unauthorized = 0  # requests answered 401: no or a wrong API key
         self.metrics = RouterMetrics(self)
         self.loop_lag = LoopLag()
+        self.drain = RouterDrain()  # SIGTERM: refuse new requests, finish those in flight
 
     async def start(self) -> None:
         self.loop_lag.start()
@@ -171,13 +174,18 @@ class ProxyEndpoint:
         exchange = _Exchange(send, state, trace)
         error: str | None = None
         try:
-            error = await self._answer(scope, receive, request, trace, exchange)
+            with state.drain.request() as cut:
+                error = await self._answer(scope, receive, request, trace, exchange)
+            if cut.cancelled_caught:  # the router's drain deadline passed (serve.py)
+                error = "drain_timeout"
+                why = "router shut down before the answer was complete (--drain-timeout)"
+                await self._router_error(scope, receive, exchange, why, "service_unavailable")
         except Exception as exc:
             # A race or bug of the router's own: a clear JSON error, never a bare 500.
             error = "router_error"
             state.router_errors += 1
             logger.exception("router: unexpected error serving a request")
-            await self._router_error(scope, receive, exchange, exc)
+            await self._router_error(scope, receive, exchange, _exc_message(exc), "router_error")
         except BaseException:
             error = Outcome.CANCELLED.value if exchange.disconnected else "router_error"
             raise
@@ -200,17 +208,16 @@ class ProxyEndpoint:
 
     @staticmethod
     async def _router_error(
-        scope: Scope, receive: Receive, exchange: _Exchange, exc: Exception
+        scope: Scope, receive: Receive, exchange: _Exchange, message: str, kind: str
     ) -> None:
-        leaf: BaseException = exc
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]  # the task group's wrapping says nothing
-        message = f"router error: {leaf!r}"
+        """The router's own failure as the client's answer: a JSON error (502, or 503 for
+        ``service_unavailable``), or an error event ending a stream already started."""
+        status = 503 if kind == "service_unavailable" else 502
         try:
             if exchange.status is None:
-                await error_response(502, message, "router_error")(scope, receive, exchange.send)
+                await error_response(status, message, kind)(scope, receive, exchange.send)
             elif not exchange.complete:
-                err = json.dumps({"error": {"message": message, "type": "router_error"}})
+                err = json.dumps({"error": {"message": message, "type": kind}})
                 event = f"\n\ndata: {err}\n\ndata: [DONE]\n\n".encode()
                 await exchange.send({"type": "http.response.body", "body": event})
         except Exception:  # the client is gone: nothing left to tell it
@@ -226,6 +233,10 @@ class ProxyEndpoint:
     ) -> str | None:
         """Serve one request; returns why it failed before any leg ran, if it did."""
         counted = exchange.send
+        if self.state.drain.draining:
+            why = "router draining (shutting down): send the request to another router"
+            await error_response(503, why, "service_unavailable")(scope, receive, counted)
+            return "draining"
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -263,6 +274,13 @@ class ProxyEndpoint:
         return None if c.api_key or c.backend_api_key else request.headers.get("authorization")
 
 
+def _exc_message(exc: Exception) -> str:
+    leaf: BaseException = exc
+    while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+        leaf = leaf.exceptions[0]  # the task group's wrapping says nothing
+    return f"router error: {leaf!r}"
+
+
 def create_app(
     config: RouterConfig, tracer: Any = None, on_shutdown: Callable[[], Any] | None = None
 ) -> Starlette:
@@ -285,6 +303,9 @@ def create_app(
 
     async def health(_request: Request) -> Response:
         b = state.backends
+        if state.drain.draining:
+            status = {"status": "draining", "in_flight": state.drain.in_flight}
+            return JSONResponse(status, status_code=503)
         reason = b.unavailable_reason()
         body: dict[str, Any] = {
             "status": "ok",
@@ -339,6 +360,7 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/router/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *admin_routes(state.backends),
         ],
         lifespan=lifespan,
     )
@@ -354,7 +376,7 @@ def main(argv: list[str]) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    import uvicorn  # only the serving process needs it
+    from connector.router.serve import serve  # imports uvicorn: the serving process only
 
     # The span exporter encodes in a thread of its own; at CPython's 5 ms GIL switch interval
     # the loop waits up to that long for the GIL each time it wakes meanwhile (loop lag p50
@@ -370,13 +392,6 @@ def main(argv: list[str]) -> int:
 
     provider = setup_tracing(Service.ROUTER.value, role="router")
     tracer = provider.get_tracer("pushkv.router") if provider is not None else None
-    uvicorn.run(
-        create_app(config, tracer, on_shutdown=provider.shutdown if provider is not None else None),
-        host=config.host,
-        port=config.port,
-        access_log=False,
-        log_level=config.log_level,
-        lifespan="on",
-        http=arrival.protocol(),
-    )
+    app = create_app(config, tracer, on_shutdown=provider.shutdown if provider else None)
+    serve(app, config, app.state.router.drain)
     return 0

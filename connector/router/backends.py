@@ -74,6 +74,7 @@ class Backend:
             "url": self.url,
             "health": self.load.health.value,
             "eligible": self.load.eligible,
+            "draining": self.load.draining,
             "outstanding": self.load.outstanding,
             "dispatched": self.load.dispatched,
             "failed": self.load.failed,
@@ -244,6 +245,24 @@ class Backends:
             if b.index not in exclude and not (needs_coords and b.coords is None)
         )
         return Lease(pool[picked.index]) if picked is not None else None
+
+    def find(self, role: Role, key: str) -> Backend | None:
+        """The backend of ``role`` named by its index (``0``) or its URL, else None."""
+        pool = self.prefill if role is Role.PREFILL else self.decode
+        if key.isdigit():
+            return pool[int(key)] if int(key) < len(pool) else None
+        return next((b for b in pool if b.url == key.rstrip("/")), None)
+
+    def set_draining(self, b: Backend, draining: bool) -> None:
+        """Take ``b`` out of rotation (no new legs; those in flight run on) or back in."""
+        if b.load.draining is not draining:
+            b.load.draining = draining
+            logger.warning(
+                "router backend %s: %s (%d leg(s) in flight)",
+                b.name,
+                "draining: no new legs" if draining else "undrained: back in rotation",
+                b.load.outstanding,
+            )
 
     def pick(self, role: Role) -> Backend | None:
         """A backend for a request that is not a leg (``/v1/models``): not counted."""

@@ -134,6 +134,9 @@ class RouterConfig:
     # While no P is usable, send each request to a D whole (D computes the prompt): losing
     # every P costs latency, not availability. False: answer 503 instead.
     degraded: bool = True
+    # SIGTERM: refuse new requests (/health 503 "draining"), let those in flight finish
+    # for up to this long, then exit (connector/router/serve.py).
+    drain_timeout_s: float = 30.0
     log_level: str = "info"
     realtime_priority: int = 0  # SCHED_FIFO priority of the router's threads; 0: normal class
     # Security (docs/security.md): the key clients must send (Bearer), the key the router
@@ -165,6 +168,7 @@ class RouterConfig:
             "probe_timeout_s",
             "keepalive_expiry_s",
             "coords_ttl_s",
+            "drain_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -266,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="while no P is healthy, send requests to D whole (D computes the prompt)",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, refuse new requests and let those in flight finish for up to S s",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--realtime-priority",
@@ -341,6 +352,7 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
             max_connections=a.max_connections,
             max_attempts=a.max_attempts,
             degraded=a.degraded,
+            drain_timeout_s=a.drain_timeout,
             log_level=a.log_level,
             realtime_priority=a.realtime_priority,
             api_key=a.api_key or os.environ.get(ENV_API_KEY) or None,

@@ -36,16 +36,19 @@ class BackendLoad:
     dispatched: int = 0  # legs ever sent
     failed: int = 0  # legs that ended in an error (any kind)
     missed: int = 0  # health checks failed in a row
+    # Taken out of rotation by the operator (``POST /admin/backends/.../drain``): no new
+    # legs, its legs in flight run on; health is still checked. Orthogonal to ``health``.
+    draining: bool = False
 
     @property
     def eligible(self) -> bool:
-        return self.health is Health.HEALTHY and self.ready
+        return self.health is Health.HEALTHY and self.ready and not self.draining
 
     @property
     def fallback(self) -> bool:
         """Usable when no backend of its role is eligible: a leg failed since its last good
         check, which a dead server and one dropped connection both cause."""
-        return self.health is Health.SUSPECT and self.ready
+        return self.health is Health.SUSPECT and self.ready and not self.draining
 
     def record_health(self, ok: bool, *, answered: bool = True) -> bool:
         """Apply one health-check result. True when the backend just became healthy
@@ -96,6 +99,7 @@ def unavailable_reason(prefill: Sequence[BackendLoad], decode: Sequence[BackendL
         if not any(b.eligible or b.fallback for b in loads):
             states = ", ".join(
                 f"{role}[{b.index}]={b.health.value}{'' if b.ready else ' (not probed)'}"
+                f"{' (draining)' if b.draining else ''}"
                 for b in loads
             )
             reasons.append(f"no healthy {role} server ({states})")
