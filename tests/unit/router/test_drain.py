@@ -4,13 +4,17 @@ state (what SIGTERM turns on: tests/unit/router/test_sigterm.py runs the real si
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import AsyncIterator
 from urllib.parse import quote
 
 import pytest
 
 from tests.unit.router.conftest import MakeCluster
+from tests.unit.router.mock_backend import CHUNKS
 from tests.unit.router.serving import within
 from tests.unit.router.test_choice_and_modes import COMPLETION
+from tests.unit.router.test_streaming import STREAM, sse_events
 
 pytestmark = pytest.mark.anyio
 KEY = "admin-key-123"
@@ -119,3 +123,24 @@ async def test_router_draining_refuses_new_requests_and_finishes_those_in_flight
     assert (await within(in_flight, "the request in flight")).status_code == 200
     assert await within(c.state.drain.wait_idle(5.0), "the router to have nothing in flight")
     assert c.state.drain.in_flight == 0
+
+
+async def _rest(chunks: AsyncIterator[bytes]) -> list[bytes]:
+    return [chunk async for chunk in chunks]
+
+
+async def test_drain_deadline_cuts_a_stream_with_an_error_event(cluster: MakeCluster) -> None:
+    c = await cluster(1, 1)
+    c.d[0].stream_gate = asyncio.Event()  # never set: D holds the stream after one chunk
+    async with c.client.stream("POST", "/v1/completions", json=STREAM) as r:
+        assert r.status_code == 200
+        chunks = r.aiter_raw()
+        assert await within(anext(chunks), "D's first chunk") == CHUNKS[0]
+        c.state.drain.begin()
+        c.state.drain.cut()  # what serve.py does when --drain-timeout has passed
+        rest = b"".join(await within(_rest(chunks), "the cut stream to end"))
+    events = sse_events(rest)
+    assert events[-1] == "[DONE]" and "--drain-timeout" in events[-2]
+    assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
+    await within(c.d[0].requests[0].disconnected.wait(), "D's leg to be closed")
+    assert await within(c.state.drain.wait_idle(5.0), "nothing in flight")

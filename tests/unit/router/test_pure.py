@@ -42,6 +42,17 @@ def test_choose_skips_ineligible() -> None:
     assert "no healthy prefill server" in (unavailable_reason([down], [healthy(0)]) or "")
 
 
+def test_choose_skips_draining_healthy_or_suspect() -> None:
+    drained = BackendLoad(0, health=Health.HEALTHY, draining=True)
+    drained_suspect = BackendLoad(1, health=Health.SUSPECT, draining=True)
+    busy = healthy(2, outstanding=50)
+    assert choose([drained, busy]) is busy
+    assert choose([drained, drained_suspect]) is None  # not even as a fallback
+    assert "decode[0]=healthy (draining)" in (unavailable_reason([busy], [drained]) or "")
+    drained.draining = False
+    assert choose([drained, busy]) is drained
+
+
 @given(
     st.lists(
         st.tuples(
