@@ -43,6 +43,15 @@ def preferred_layout(device_type: str, named_layouts: bool = True) -> str:
     return GPU_LAYOUT if device_type == "cuda" else CPU_LAYOUT
 
 
+def kv_dtype_name(cache_dtype: str, tensor_dtype: Any) -> str:
+    """The KV element type's name for ``KVLayout.dtype``: ``cache_dtype`` unless it is
+    "auto" (the model's dtype) or names the tensors' dtype, else the tensors' dtype
+    (``torch.bfloat16`` -> "bfloat16")."""
+    if cache_dtype not in ("", "auto"):
+        return cache_dtype
+    return str(tensor_dtype).removeprefix("torch.")
+
+
 def layer_order(kv_caches: dict[str, Any]) -> list[str]:
     """Layer names in model order (``model.layers.10`` after ``model.layers.9``)."""
 
@@ -58,6 +67,7 @@ def describe_kv_caches(
     group_of: dict[str, int],
     heads: tuple[int, int],
     opaque: bool | None = None,
+    cache_dtype: str = "auto",
 ) -> KVLayout:
     """vLLM's per-layer KV views, logically [blocks, heads, tokens, content], as a layout: one
     region per layer, strides read from the tensors (any layout whose content is contiguous:
@@ -68,6 +78,10 @@ def describe_kv_caches(
     block's tokens corrupts its KV; whole blocks arrive intact). So CPU layouts are
     ``opaque_blocks``: whole blocks of a head move, never token ranges inside one.
     ``opaque`` overrides that (tests of the GPU semantics on CPU tensors).
+
+    ``cache_dtype`` is vLLM's ``--kv-cache-dtype`` (``cache_config.cache_dtype``): the
+    layout's ``dtype`` is its name when vLLM quantizes the KV (fp8, fp8_e4m3 and fp8_e5m2
+    all live in uint8 tensors), else the tensors' own dtype.
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors to register")
@@ -115,6 +129,7 @@ def describe_kv_caches(
         device_id=int(first.device.index or 0) if cuda else 0,
         mem_type="VRAM" if cuda else "DRAM",
         opaque_blocks=not cuda if opaque is None else opaque,
+        dtype=kv_dtype_name(cache_dtype, first.dtype),
     )
     # Strides the order implies travel as 0 (the common case, a smaller registration); a
     # singleton dim's stride means nothing (vLLM canonicalises it), so it takes the default.

@@ -149,6 +149,7 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
                 num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
                 logical_block_size=vllm_config.cache_config.block_size,
                 group_of=group_of,
+                cache_dtype=str(vllm_config.cache_config.cache_dtype),
             )
 
     @classmethod

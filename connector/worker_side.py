@@ -52,12 +52,14 @@ class WorkerSide:
         num_kv_heads: int,
         logical_block_size: int,
         group_of: dict[str, int],
+        cache_dtype: str = "auto",
     ) -> None:
         self.cfg, self.engine_id = cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
         self._logical_block_size = logical_block_size
         self._group_of = group_of
+        self._cache_dtype = cache_dtype  # vLLM's --kv-cache-dtype
         self._ratio = 1
         self.thread: TransferThread | None = None
         self._transport: Any = None
@@ -75,7 +77,7 @@ class WorkerSide:
         from connector.transport.nixl import NixlTransport
 
         heads = head_range(self.tp_rank, self.tp_size, self.num_kv_heads)
-        layout = describe_kv_caches(kv_caches, self._group_of, heads)
+        layout = describe_kv_caches(kv_caches, self._group_of, heads, cache_dtype=self._cache_dtype)
         if self._logical_block_size % layout.block_size:
             raise LayoutError(
                 f"scheduler block size {self._logical_block_size} is not a multiple "
@@ -151,12 +153,13 @@ class WorkerSide:
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info(
-            "pushkv worker %s: %d regions, %d blocks of %d tokens, KV %s in %s, listening "
+            "pushkv worker %s: %d regions, %d blocks of %d tokens, KV %s %s in %s, listening "
             "on %s:%d, " + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
             name,
             len(layout.regions),
             layout.num_blocks,
             layout.block_size,
+            layout.dtype,
             physical_order(kv_caches),
             layout.mem_type,
             host,

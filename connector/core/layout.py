@@ -58,6 +58,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # AMX kernels tile K and V): only whole blocks of a head may move, so partial last
     # blocks travel whole and P and D must use the same block size.
     opaque_blocks: bool = False
+    # The KV element type: vLLM's --kv-cache-dtype when it quantizes ("fp8", "fp8_e4m3",
+    # "fp8_e5m2": all one byte, so token_bytes cannot tell them apart), else the tensors'
+    # dtype ("bfloat16"). "" from a peer that predates the field. P and D must name the
+    # same one (``plan_transfer``): the bytes move as they are, never converted.
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
 
     @property
     def num_heads(self) -> int:
@@ -158,6 +163,17 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             else:
                 out.append([start, end])
         return [(s, e - s) for s, e in out]
+
+
+def check_same_dtype(src: KVLayout, dst: KVLayout) -> None:
+    """LayoutError unless P's KV (``src``) and D's (``dst``) hold the same element type:
+    every transfer path copies bytes as they are, so fp8_e4m3 into fp8_e5m2 (or bf16 into
+    fp8) would land as garbage of the right size."""
+    if src.dtype != dst.dtype:
+        raise LayoutError(
+            f"KV dtypes differ: P stores {src.dtype or 'an unnamed dtype'}, D "
+            f"{dst.dtype or 'an unnamed dtype'} (start both with the same --kv-cache-dtype)"
+        )
 
 
 def _collide(used: list[tuple[int, int]], gap: int, period: int) -> bool:

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from connector.core.errors import LayoutError
 from connector.core.heads import HeadRange
-from connector.core.layout import KVLayout, Region, RegionKey
+from connector.core.layout import KVLayout, Region, RegionKey, check_same_dtype
 
 
 def _frozen(values: npt.ArrayLike) -> np.ndarray:
@@ -258,6 +258,7 @@ def plan_transfer(
     than needed; the extra blocks are ignored.
     """
     s, d, groups = _pair_regions(src, dst)
+    check_same_dtype(src, dst)
     if src.token_bytes != dst.token_bytes:
         raise LayoutError(f"token_bytes differ: {src.token_bytes} != {dst.token_bytes}")
     h0, h1 = heads

@@ -21,7 +21,7 @@ from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import LayoutError, PeerDisconnected, TransportError
 from connector.core.heads import HeadRange
-from connector.core.layout import KVLayout
+from connector.core.layout import KVLayout, check_same_dtype
 from connector.core.plan import Pieces, plan_transfer
 from connector.core.sender_table import SenderTable
 from connector.core.state import SenderPolicy
@@ -340,6 +340,7 @@ class Sender:
         try:
             for reg in a.registrations:
                 self._check_layout(reg.layout)
+                check_same_dtype(self.layout, reg.layout)  # every path, not only DIRECT's planner
                 if reg.num_tokens != a.num_tokens:
                     raise LayoutError(
                         f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"

@@ -16,7 +16,7 @@ import importlib.util
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,12 +95,14 @@ def _warm_up(client: httpx.Client, **extra: object) -> None:
 
 
 @contextlib.contextmanager
-def running_pd(model: Path, run_dir: Path) -> Iterator[Pd]:
-    """P + D (PushConnector) + router on ``model``, warmed up; stopped on leaving."""
+def running_pd(model: Path, run_dir: Path, server_args: Sequence[str] = ()) -> Iterator[Pd]:
+    """P + D (PushConnector) + router on ``model``, warmed up; stopped on leaving.
+    ``server_args`` go to both vLLM command lines (e.g. ``--kv-cache-dtype fp8``)."""
     stack = PdStack(
         model,
         run_dir,
         decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S},
+        server_args=server_args,
     )
     try:
         stack.start(START_TIMEOUT_S)

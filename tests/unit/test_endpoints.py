@@ -140,6 +140,28 @@ def test_token_count_mismatch_is_a_layout_failure() -> None:
     assert pair.receiver.finished[0].reason is m.FailReason.LAYOUT_MISMATCH
 
 
+@pytest.mark.parametrize(
+    ("p_dtype", "d_dtype"),
+    [("fp8_e4m3", "fp8_e5m2"), ("bfloat16", "fp8"), ("fp8", "")],  # "": an older D
+)
+def test_different_kv_dtypes_are_refused_not_written(
+    p_dtype: str, d_dtype: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """fp8_e4m3 and fp8_e5m2 have the same token_bytes: only the dtype names tell them
+    apart, and P must refuse the registration rather than write bytes D would misread."""
+    pair = Pair()
+    pair.sender.layout = msgspec.structs.replace(pair.sender.layout, dtype=p_dtype)
+    pair.receiver.layout = msgspec.structs.replace(pair.receiver.layout, dtype=d_dtype)
+    pair.expect("t", 32, (1, 2))
+    pair.sender.on_event(ev.PrefillDone("t", "preq", ((1, 2),), 32), pair.now)
+    pair.pump()
+    assert pair.sender.finished == ["preq"] and pair.fabric.posted == []
+    (got,) = pair.receiver.finished
+    assert not got.ok and got.reason is m.FailReason.LAYOUT_MISMATCH
+    assert not np.any(pair.d_buf)
+    assert f"KV dtypes differ: P stores {p_dtype}" in caplog.text
+
+
 def test_a_registration_with_an_invalid_layout_fails_the_transfer_not_the_thread(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

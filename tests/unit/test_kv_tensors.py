@@ -45,6 +45,23 @@ def test_every_element_is_where_the_layout_says(layout: str, dtype: torch.dtype)
             )
 
 
+@pytest.mark.parametrize(
+    ("cache_dtype", "dtype", "name"),
+    [
+        ("auto", torch.bfloat16, "bfloat16"),
+        ("bfloat16", torch.bfloat16, "bfloat16"),
+        ("fp8", torch.uint8, "fp8"),  # vLLM keeps every fp8 KV in uint8 tensors
+        ("fp8_e4m3", torch.uint8, "fp8_e4m3"),
+        ("fp8_e5m2", torch.uint8, "fp8_e5m2"),
+    ],
+)
+def test_the_layout_names_the_kv_dtype(cache_dtype: str, dtype: torch.dtype, name: str) -> None:
+    _, views = caches("LBHNC", dtype)
+    lay = describe_kv_caches(views, {}, (0, H), cache_dtype=cache_dtype)
+    assert lay.dtype == name and lay.token_bytes == 2 * D * dtype.itemsize
+    lay.validate()  # the name fits the wire type
+
+
 def test_block_outermost_layout_puts_a_blocks_layers_side_by_side() -> None:
     _, views = caches("BLHNC")
     lay = describe_kv_caches(views, {}, (0, H))

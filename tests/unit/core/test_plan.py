@@ -347,6 +347,18 @@ def test_plan_transfer_errors():
             plan_transfer(s, sb, d, db, **kw)
 
 
+def test_plan_transfer_refuses_different_kv_dtypes():
+    """Same token_bytes, different element types (fp8_e4m3 vs fp8_e5m2): refused by name."""
+    src = msgspec.structs.replace(base_layout(), dtype="fp8_e4m3")
+    blocks = [list(range(8))]
+    ok = dict(first_token=0, num_tokens=12, heads=(0, 2))
+    plan_transfer(src, blocks, src, blocks, **ok)
+    for other in ("fp8_e5m2", "fp8", "bfloat16", ""):
+        dst = msgspec.structs.replace(src, dtype=other)
+        with pytest.raises(LayoutError, match="KV dtypes differ: P stores fp8_e4m3, D"):
+            plan_transfer(src, blocks, dst, blocks, **ok)
+
+
 @settings(max_examples=100, deadline=None)
 @given(scenarios(), st.booleans())
 def test_opaque_blocks_move_whole_blocks(sc, on_src):

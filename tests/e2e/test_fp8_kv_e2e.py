@@ -1,0 +1,77 @@
+"""fp8 KV cache end to end: P and D both started with ``--kv-cache-dtype fp8`` on the tiny model.
+
+Greedy output through the router equals D alone (fp8 KV too; tests/e2e/greedy.py's rule), D
+took every prompt token from P (its prompt-token metric by source) and both workers describe
+their KV as fp8 (the name their layouts carry and P compares, connector/core/layout.py
+``check_same_dtype``). One stack start (about a minute on a 2-core machine).
+
+vLLM's CPU attention stores fp8 KV only on x86 with AVX-512 or AMX and head sizes divisible
+by 32 (``_get_attn_isa`` in vllm/v1/attention/backends/cpu_attn.py); the tiny model's heads
+are 64 wide. k/v scales: vLLM keeps them per attention layer (``_k_scale``/``_v_scale``,
+loaded from a quantized checkpoint, else 1.0); the tiny model has none, so both sides use
+the static 1.0 and pushkv moves the fp8 bytes as they are.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from tests.e2e.conftest import running_pd
+from tests.e2e.greedy import assert_matches_reference, greedy_body
+from tests.e2e.test_push_e2e import post_ok, random_prompt, settled_source_tokens, source_tokens
+
+if TYPE_CHECKING:
+    from conftest import Pd  # tests/e2e/conftest.py (the fixture's type)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+KV_DTYPE = "fp8"
+PROMPT_LENGTHS = (20, 129, 600)  # one block, across a block edge, several blocks
+
+
+def _fp8_kv_unsupported() -> str | None:
+    """Why this CPU cannot run vLLM's fp8 KV cache, or None."""
+    import torch  # the test process only: the servers import their own
+
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache (cpu_attn._get_attn_isa)"
+
+
+@pytest.fixture(scope="module")
+def pd_fp8(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
+    if (reason := _fp8_kv_unsupported()) is not None:
+        pytest.skip(reason)
+    run_dir = e2e_log_dir / "pd-push-fp8"
+    with running_pd(tiny_model, run_dir, server_args=["--kv-cache-dtype", KV_DTYPE]) as stack:
+        yield stack
+
+
+def test_fp8_kv_greedy_equals_single_instance(pd_fp8: Pd) -> None:
+    run_dir = pd_fp8.stack.run_dir
+    for side in ("prefill", "decode"):  # the worker's start-up line names the layout's dtype
+        log = (run_dir / f"{side}.log").read_text(errors="replace")
+        assert f"KV {KV_DTYPE} " in log, f"{side}'s pushkv worker did not log fp8 KV: {run_dir}"
+    prompts = {n: random_prompt(n, seed=3000 + n) for n in PROMPT_LENGTHS}
+    before = source_tokens(pd_fp8.decode)
+    disagg: dict[int, dict[str, Any]] = {}
+    for n, prompt in prompts.items():
+        disagg[n] = post_ok(pd_fp8.router, "/v1/completions", greedy_body(prompt))
+        assert disagg[n]["usage"]["prompt_tokens"] == n
+    total = sum(PROMPT_LENGTHS)
+    after = settled_source_tokens(pd_fp8.decode, before["external_kv_transfer"] + total)
+    delta = {k: after[k] - before[k] for k in after}
+    # Taken before the references: they compute locally on D.
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
+        f"D did not take all {total} prompt tokens from P: {delta}; logs in {run_dir}"
+    )
+    for n, prompt in prompts.items():
+        ref = post_ok(
+            pd_fp8.decode, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex)
+        )
+        assert_matches_reference(disagg[n], ref, f"{n}-token prompt, {KV_DTYPE} KV")
