@@ -302,10 +302,12 @@ class Sender:
             self._end(tid, rec)
 
     def _check_layout(self, layout: KVLayout) -> None:
-        """A peer's layout, validated once (the planner trusts validated layouts)."""
+        """A peer's layout, validated once (the planner trusts validated layouts), with our
+        KV's element type (every path, not only DIRECT's planner, copies bytes as they are)."""
         if layout in self._valid:
             return
         layout.validate()
+        check_same_dtype(self.layout, layout)
         if len(self._valid) >= 64:  # D engines come and go: forget the oldest
             del self._valid[next(iter(self._valid))]
         self._valid[layout] = None
@@ -340,7 +342,6 @@ class Sender:
         try:
             for reg in a.registrations:
                 self._check_layout(reg.layout)
-                check_same_dtype(self.layout, reg.layout)  # every path, not only DIRECT's planner
                 if reg.num_tokens != a.num_tokens:
                     raise LayoutError(
                         f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"
