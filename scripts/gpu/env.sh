@@ -11,8 +11,9 @@ export VLLM_HOST_IP=127.0.0.1
 # With fork, EngineCore hung after "Using V2 Model Runner"; spawn comes up in ~35 s.
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 NCCL_NVLS_ENABLE=0
-# NIXL over UCX on this machine only; VRAM through cuda_copy/cuda_ipc.
-export UCX_TLS=tcp,sm,self,cuda_copy,cuda_ipc UCX_NET_DEVICES=lo
+# NIXL over UCX on this machine only; VRAM through cuda_copy/cuda_ipc. A caller's UCX_TLS wins
+# (the pull diagnosis runs without tcp).
+export UCX_TLS=${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc} UCX_NET_DEVICES=lo
 # `pushkv` and `vllm` as commands (the checkout is not pip-installed there).
 mkdir -p "$DEST/bin"
 printf '#!/bin/sh\nexec python3 -m connector.cli "$@"\n' > "$DEST/bin/pushkv"

@@ -3,6 +3,7 @@
 #   bash scripts/gpu/run.sh receive            # a part of the site came with this call
 #   bash scripts/gpu/run.sh check [MODEL]      # + unpack, model, P/D greedy check
 #   bash scripts/gpu/run.sh sweep MODEL ARGS   # pushkv bench --sweep on this GPU
+# PUSHKV_RUN_TAG=x names a second sweep's folder (/tmp/sweep-MODEL-x) beside the first.
 # Every step writes its log and results under $OUT (what comes back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,11 +36,12 @@ case "$step" in
     exit $rc
     ;;
   sweep)
-    run_dir=/tmp/sweep-$model
+    name=sweep-$model${PUSHKV_RUN_TAG:+-$PUSHKV_RUN_TAG}
+    run_dir=/tmp/$name
     python3 -m connector.cli bench --sweep --model "$MODELS/$model" --gpus 0 0 --no-pin-servers \
-      --run-dir "$run_dir" "$@" 2>&1 | tee -a "$OUT/sweep-$model.txt"
+      --run-dir "$run_dir" "$@" 2>&1 | tee -a "$OUT/$name.txt"
     rc=${PIPESTATUS[0]}
-    tar -C /tmp -czf "$OUT/sweep-$model.tgz" "sweep-$model" 2>/dev/null
+    tar -C /tmp -czf "$OUT/$name.tgz" "$name" 2>/dev/null
     exit $rc
     ;;
 esac
