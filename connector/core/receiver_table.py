@@ -12,8 +12,7 @@ from collections import defaultdict
 
 from connector.core import events as ev
 from connector.core.messages import FailReason, PeerAddr
-from connector.core.state import (
-    DeadlinePassed,
+from connector.core.recv_state import (
     ReceiverPolicy,
     RecvCtx,
     RecvRecord,
@@ -22,6 +21,7 @@ from connector.core.state import (
     recv_transition,
 )
 from connector.core.table import TransferTable
+from connector.core.transition import DeadlinePassed
 
 RecvTableEvent = ev.RecvEvent | DeadlinePassed
 

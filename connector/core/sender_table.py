@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from connector.core import events as ev
-from connector.core.state import (
-    DeadlinePassed,
+from connector.core.send_state import (
     SendCtx,
     SenderPolicy,
     SendRecord,
@@ -19,6 +18,7 @@ from connector.core.state import (
     send_transition,
 )
 from connector.core.table import TransferTable
+from connector.core.transition import DeadlinePassed
 
 SendTableEvent = ev.SendEvent | DeadlinePassed
 

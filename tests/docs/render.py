@@ -1,6 +1,6 @@
 """The documents' tables that are rendered from the code: the transition tables of
-connector/core/state.py and lifecycle.py (docs/protocol.md) and the import rules of
-tests/docs/layers.py (docs/architecture.md).
+connector/core/send_state.py, recv_state.py and lifecycle.py (docs/protocol.md) and the
+import rules of tests/docs/layers.py (docs/architecture.md).
 
 Run: python -m tests.docs.render [--write]
 Prints each generated section, or with ``--write`` replaces the text between its markers
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.core import state
+from connector.core.transition import LOCAL_EVENTS
 from tests.docs import layers
 from tests.docs.commands import ROOT
 
@@ -54,7 +55,7 @@ def table(
     (LocalProtocolError: one of our own events out of turn)."""
     events = _events(transitions)
     events += [e for e in (new or {}) if e not in events]
-    local = set(getattr(state, "_LOCAL_EVENTS", ()))
+    local = set(LOCAL_EVENTS)
 
     def missing(event: type) -> str:
         return "bug" if event in local else "drop"

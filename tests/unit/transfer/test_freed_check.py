@@ -19,9 +19,9 @@ import pytest
 from connector.config import Faults
 from connector.core import events as ev
 from connector.core import messages as m
-from connector.core import state
+from connector.core import recv_state as state
 from connector.core.errors import ConfigError
-from connector.core.state import ReceiverPolicy, RecvRecord, RecvState, SourceState
+from connector.core.recv_state import ReceiverPolicy, RecvRecord, RecvState, SourceState
 from connector.transfer.metrics import Tee
 from pushkv_testing.faults import FaultyTransport
 from pushkv_testing.freed_check import PATTERN, FreedCheck
