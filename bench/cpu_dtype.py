@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from connector.tools.bench.sweep import cpu_has_native_bf16
+from connector.tools.bench.sweep_setup import cpu_has_native_bf16
 
 
 def gflops(dtype: torch.dtype, tokens: int, hidden: int, out: int, repeats: int) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.tools.bench import plots, sweep, sweep_points
+from connector.tools.bench import plots, sweep_args, sweep_points
 from connector.tools.bench.single import SINGLE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -40,8 +40,8 @@ def test_smoke_sweep_completes_every_point_and_draws_its_figure(tmp_path: Path) 
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-4000:]}{done.stderr}"
     data = json.loads((run_dir / sweep_points.SWEEP_FILE).read_text())
     points = {(p["config"], p["point"]): p for p in data["points"]}
-    plan = sweep.make_plan(sweep.parse_args(["--smoke"]))
-    for config in sweep.SMOKE_CONFIGS:
+    plan = sweep_args.make_plan(sweep_args.parse_args(["--smoke"]))
+    for config in sweep_args.SMOKE_CONFIGS:
         for point in plan.points():
             p = points[config, point.name]
             assert p["ok"] and p["completed"] == p["num_prompts"] == plan.num_prompts(point), p

@@ -13,9 +13,12 @@ import pytest
 from connector.tools.bench import (
     plots,
     sweep,
+    sweep_args,
     sweep_points,
     sweep_report,
     sweep_rounds,
+    sweep_run,
+    sweep_setup,
     trace_slices,
 )
 from connector.tools.bench.sweep_points import Point, SweepPlan
@@ -82,13 +85,13 @@ def _fake_sweep(
         def group_leaders(self) -> list[int]:
             return []
 
-    def fake_start(name: str, setup: sweep.Setup, cfg_dir: Path, log: Any) -> FakeStack:
+    def fake_start(name: str, setup: sweep_setup.Setup, cfg_dir: Path, log: Any) -> FakeStack:
         cfg_dir.mkdir(parents=True, exist_ok=True)
         return FakeStack()
 
     def fake_point(
         name: str,
-        setup: sweep.Setup,
+        setup: sweep_setup.Setup,
         stack: Any,
         point: Point,
         limit_s: float,
@@ -100,10 +103,10 @@ def _fake_sweep(
         sweep_points.write_point(setup.run_dir, record)
         return record, None
 
-    monkeypatch.setattr(sweep, "_start", fake_start)
-    monkeypatch.setattr(sweep, "_warm_up", lambda *a: None)
-    monkeypatch.setattr(sweep.trace_slices, "wait_quiet", lambda *a, **k: {})
-    monkeypatch.setattr(sweep, "run_point", fake_point)
+    monkeypatch.setattr(sweep_run, "_start", fake_start)
+    monkeypatch.setattr(sweep_run, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(trace_slices, "wait_quiet", lambda *a, **k: {})
+    monkeypatch.setattr(sweep_run, "run_point", fake_point)
     monkeypatch.setattr(sweep, "resolve_model", lambda name: (tmp_path / name, {}))
     monkeypatch.setattr(plots, "write_figures", lambda run_dir, data: [])  # tested below
     return ran
@@ -155,13 +158,13 @@ def test_the_sweep_stops_starting_points_at_its_time_bound(
 ) -> None:
     ran = _fake_sweep(tmp_path, monkeypatch, {"single": 20.0, "push": 30.0})
     clock = iter(range(0, 10_000, 10))
-    monkeypatch.setattr(sweep, "_now", lambda: float(next(clock)))
+    monkeypatch.setattr(sweep_run, "now", lambda: float(next(clock)))
     # 2 minutes: the first stack starts, and its points each take 10 s of the fake clock
     # while one needs about 26 s (arrivals + 20 s): some run, the rest are left.
     code = sweep.main(["--smoke", "--run-dir", str(tmp_path / "run"), "--max-minutes", "2"])
     assert code == 1  # not every point done
     assert 0 < len(ran) < 8
-    left = [p for p in sweep.make_plan(sweep.parse_args(["--smoke"])).points()]
+    left = [p for p in sweep_args.make_plan(sweep_args.parse_args(["--smoke"])).points()]
     assert not all(sweep_points.is_done(tmp_path / "run", "push", p) for p in left)
 
 
@@ -172,13 +175,13 @@ def test_a_run_killed_at_the_sweeps_time_budget_is_cut_not_hung(
     def killed(cmd: Any, log_path: Path, limit_s: float) -> RunFailure:
         return RunFailure(f"vllm bench serve hung: still running after {limit_s:.0f} s", True)
 
-    monkeypatch.setattr(sweep, "run_bench_serve", killed)
-    monkeypatch.setattr(sweep.trace_slices, "wait_quiet", lambda *a, **k: {})
-    plan = sweep.make_plan(sweep.parse_args(["--smoke"]))
-    setup = sweep.Setup(plan, tmp_path / "m", (), False, tmp_path / "run", 0.0)
+    monkeypatch.setattr(sweep_run, "run_bench_serve", killed)
+    monkeypatch.setattr(trace_slices, "wait_quiet", lambda *a, **k: {})
+    plan = sweep_args.make_plan(sweep_args.parse_args(["--smoke"]))
+    setup = sweep_setup.Setup(plan, tmp_path / "m", (), False, tmp_path / "run", 0.0)
     stack: Any = type("S", (), {"url": "http://127.0.0.1:1"})()
     point = next(iter(plan.points()))
-    record, failure = sweep.run_point("push", setup, stack, point, 31.0, budget_cut)
+    record, failure = sweep_run.run_point("push", setup, stack, point, 31.0, budget_cut)
     assert failure is not None and failure.hung is not budget_cut
     cut = "cut after 31 s by the sweep's --max-minutes"
     assert (cut in record["reason"]) is budget_cut, record["reason"]
@@ -306,18 +309,20 @@ def test_sweeps_are_found_by_their_sweep_json(tmp_path: Path) -> None:
 def test_gpus_put_p_d_and_single_each_on_their_own_devices(tmp_path: Path) -> None:
     """``--gpus 0 1``: P sees GPU 0, D GPU 1, the single instance P's; without it the
     environment is left alone (every server sees every GPU)."""
-    args = sweep.parse_args(["--gpus", "0", "1"])
-    setup = sweep.Setup(
-        sweep.make_plan(args), tmp_path / "m", (), False, tmp_path, 0.0, gpus=tuple(args.gpus)
+    args = sweep_args.parse_args(["--gpus", "0", "1"])
+    setup = sweep_setup.Setup(
+        sweep_args.make_plan(args), tmp_path / "m", (), False, tmp_path, 0.0, gpus=tuple(args.gpus)
     )
-    pair = sweep._make("push", setup, tmp_path / "push")
+    pair = sweep_run._make("push", setup, tmp_path / "push")
     assert pair.prefill.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
     assert pair.decode.env["CUDA_VISIBLE_DEVICES"] == "1"  # type: ignore[attr-defined]
     assert pair.decode.kv_transfer_config["kv_buffer_device"] == "cuda"  # type: ignore[attr-defined]
-    single = sweep._make(sweep.SINGLE, setup, tmp_path / "single")
+    single = sweep_run._make(sweep_run.SINGLE, setup, tmp_path / "single")
     assert single.server.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
-    plain = sweep._make(
-        "push", sweep.Setup(setup.plan, setup.model, (), False, tmp_path, 0.0), tmp_path / "p2"
+    plain = sweep_run._make(
+        "push",
+        sweep_setup.Setup(setup.plan, setup.model, (), False, tmp_path, 0.0),
+        tmp_path / "p2",
     )
     assert "CUDA_VISIBLE_DEVICES" not in plain.prefill.env  # type: ignore[attr-defined]
     assert plain.prefill.kv_transfer_config["kv_buffer_device"] == "cpu"  # type: ignore[attr-defined]
@@ -328,16 +333,16 @@ def test_dtype_auto_is_float32_only_on_a_cpu_without_native_bf16(
 ) -> None:
     """On an AVX2-only CPU vLLM's bf16 GEMMs crawl (python -m bench.cpu_dtype), so the sweep
     runs float32 there, and sizes each server's KV cache for 4-byte KV."""
-    assert sweep.cpu_has_native_bf16("flags : fpu avx2 avx512f avx512_bf16")
-    assert sweep.cpu_has_native_bf16("flags : fpu avx2 amx_bf16 amx_tile")
-    assert not sweep.cpu_has_native_bf16("flags : fpu sse avx2 fma")
-    monkeypatch.setattr(sweep, "cpu_has_native_bf16", lambda: False)
-    assert sweep.resolve_dtype("auto", None) == "float32"
-    assert sweep.resolve_dtype("auto", ("0", "1")) == "bfloat16"  # a GPU host
-    assert sweep.resolve_dtype("bfloat16", None) == "bfloat16"
-    monkeypatch.setattr(sweep, "cpu_has_native_bf16", lambda: True)
-    assert sweep.resolve_dtype("auto", None) == "bfloat16"
-    plan = sweep.make_plan(sweep.parse_args(["--lengths", "2048"]))
+    assert sweep_setup.cpu_has_native_bf16("flags : fpu avx2 avx512f avx512_bf16")
+    assert sweep_setup.cpu_has_native_bf16("flags : fpu avx2 amx_bf16 amx_tile")
+    assert not sweep_setup.cpu_has_native_bf16("flags : fpu sse avx2 fma")
+    monkeypatch.setattr(sweep_setup, "cpu_has_native_bf16", lambda: False)
+    assert sweep_setup.resolve_dtype("auto", None) == "float32"
+    assert sweep_setup.resolve_dtype("auto", ("0", "1")) == "bfloat16"  # a GPU host
+    assert sweep_setup.resolve_dtype("bfloat16", None) == "bfloat16"
+    monkeypatch.setattr(sweep_setup, "cpu_has_native_bf16", lambda: True)
+    assert sweep_setup.resolve_dtype("auto", None) == "bfloat16"
+    plan = sweep_args.make_plan(sweep_args.parse_args(["--lengths", "2048"]))
     geometry = {
         "num_hidden_layers": 8,
         "num_attention_heads": 8,
@@ -345,7 +350,7 @@ def test_dtype_auto_is_float32_only_on_a_cpu_without_native_bf16(
         "head_dim": 128,
         "hidden_size": 256,
     }
-    bf16, fp32 = (sweep.server_args(plan, geometry, None, d) for d in ("bfloat16", "float32"))
+    bf16, fp32 = (sweep_setup.server_args(plan, geometry, None, d) for d in ("bfloat16", "float32"))
     size = {
         a: int(x[x.index("--kv-cache-memory-bytes") + 1]) for a, x in (("b", bf16), ("f", fp32))
     }
