@@ -30,108 +30,28 @@ import argparse
 import concurrent.futures
 import json
 import random
-import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.soak_report import Options, Report, Sent, check, judge, latencies
 from connector.tools.pdstack import PdStack, metric_sum
 from connector.tools.tinymodel import make_tiny_model
-from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference, greedy_body
+from tests.e2e.greedy import greedy_body
+
+__all__ = ["Options", "Report", "main", "run"]
 
 VOCAB = (3, 4096)
 KV_USAGE = "vllm:kv_cache_usage_perc"
-_IDS = re.compile(r"[0-9a-f]{32}")  # transfer and request ids: errors group by their text
 P_CONFIG = {"lease_s": 10.0, "write_timeout_s": 2.0}
 D_CONFIG = {"receive_timeout_s": 10.0, "write_timeout_s": 2.0, "grace_s": 2.0}
-# The requests "around the kill": in flight at it, or started this soon after it (as in
-# tests/e2e/test_failover_e2e.py, AROUND_S).
-AROUND_S = 3.0
-# Each of them must end within this of the kill. The failover test bounds each one's time at
-# 3 s plus its baseline's slowest request (it measured 1.24 s against a 0.30 s baseline with
-# 64-token prompts): the last one starts at +3 s, so +6 s plus its own normal time. Here
-# prompts run to 600 tokens at 8 to 16 clients, and P's restart (an import-heavy start-up)
-# begins right after the kill on a 2-core box: 4 s more for that. The old head-of-line
-# stalls took 10-35 s (one blocked metadata fetch alone about 10 s): far above.
-KILL_END_BOUND_S = 10.0
-# The restarted P is sent a leg again this soon after its /health answers (the issue's 5 s;
-# the router rechecks a backend out of service every 0.5 s), plus 2 s for a loaded box.
-REUSE_BOUND_S = 7.0
 WARM_UP_PROMPT = [7] * 20
-
-
-@dataclass(frozen=True)
-class Options:
-    requests: int = 2000
-    concurrency: int = 16
-    abort_rate: float = 0.1
-    restart_at: float = 0.5  # share sent before P's kill
-    down_share: float = 0.25  # share sent while P is down; the rest waits for its restart
-    prompts: int = 64
-    request_timeout_s: float = 120.0  # a request still unanswered after this has hung
-    start_timeout_s: float = 300.0  # the stack's start, and P's restart
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.requests < 1 or not 0 <= self.restart_at < 1 or self.down_share < 0:
-            raise ValueError(f"P must be killed during the run: {self}")
-        if self.restart_at + self.down_share > 1:
-            raise ValueError(f"restart_at + down_share is over 1: {self}")
-
-
-@dataclass
-class Sent:
-    """One request as the client saw it (times in seconds since the soak began)."""
-
-    index: int
-    abort: bool
-    started_s: float
-    ended_s: float
-    outcome: str  # ok, aborted, hung, mismatch, error, unclear_error, transport_error
-
-
-@dataclass
-class Report:
-    options: Options
-    commit: str = ""
-    outcomes: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)  # "status: message" of failed ones
-    mismatches: list[str] = field(default_factory=list)
-    near_tie_parts: int = 0  # answers parting from the reference at a near-tie (allowed)
-    p_restart: dict[str, float] = field(default_factory=dict)
-    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # by start: kill, back
-    around_kill: dict[str, float] = field(default_factory=dict)
-    late_around_kill: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    idle_after_s: float | None = None
-    kv_usage_after: dict[str, float | None] = field(default_factory=dict)
-    latency_p50_s: float = 0.0
-    latency_p99_s: float = 0.0
-    latency_max_s: float = 0.0
-    problems: list[str] = field(default_factory=list)
-
-    def as_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["options"] = asdict(self.options)
-        return out
-
-
-def clear_error(resp: httpx.Response) -> str | None:
-    """The error's message if the answer is a clear one (JSON with a message), else None."""
-    try:
-        err = resp.json().get("error")
-    except ValueError:
-        return None
-    msg = err.get("message") if isinstance(err, dict) else err
-    return str(msg) if msg else None
 
 
 def kv_usage(client: httpx.Client) -> float | None:
@@ -293,7 +213,7 @@ def soak(
             with lock:
                 report.errors[f"client: {exc!r}"[:160]] += 1
         else:
-            outcome = _judge(resp, refs[k], what, report, lock)
+            outcome = judge(resp, refs[k], what, report, lock)
         took = Sent(i, abort, t0 - t_start, time.monotonic() - t_start, outcome)
         with lock:
             report.outcomes[outcome] += 1
@@ -315,83 +235,8 @@ def soak(
     if restarter.is_alive():
         raise TimeoutError("P's restart still running after the last request")
     report.seconds = round(time.monotonic() - t_start, 1)
-    _latencies(records, restarter.killed_s, restarter.back_s, report)
+    latencies(records, restarter.killed_s, restarter.back_s, report)
     idle(stack, report)
-
-
-def _judge(
-    resp: httpx.Response, ref: dict[str, Any], what: str, report: Report, lock: threading.Lock
-) -> str:
-    """One answer's outcome: ok, mismatch (against the single instance), error (a clear
-    one: JSON with a message, not a 500) or unclear_error."""
-    if resp.status_code == 200:
-        try:
-            agree = assert_matches_reference(resp.json(), ref, what)
-        except (AssertionError, KeyError, ValueError) as exc:
-            with lock:
-                report.mismatches.append(f"{what}: {exc}"[:400])
-            return "mismatch"
-        if agree < MAX_TOKENS:
-            with lock:
-                report.near_tie_parts += 1
-        return "ok"
-    msg = clear_error(resp)
-    text = _IDS.sub("*", (msg or resp.text)[:160])
-    with lock:
-        report.errors[f"{resp.status_code}: {text}"] += 1
-    return "error" if msg and resp.status_code != 500 else "unclear_error"
-
-
-def _percentiles(took: list[float]) -> dict[str, float]:
-    took = sorted(took)
-    if not took:
-        return {"requests": 0}
-    p50, p99 = took[len(took) // 2], took[int(len(took) * 0.99)]
-    return {
-        "requests": len(took),
-        "p50_s": round(p50, 3),
-        "p99_s": round(p99, 3),
-        "max_s": round(took[-1], 3),
-    }
-
-
-def _latencies(
-    records: list[Sent], killed_s: float | None, back_s: float | None, report: Report
-) -> None:
-    """Percentiles of the requests that did not abort (overall, and by when they started:
-    before the kill, while P was down, after its restart), and the ones around the kill."""
-    full = [r for r in records if not r.abort and r.outcome != "hung"]
-    overall = _percentiles([r.ended_s - r.started_s for r in full])
-    report.latency_p50_s = overall.get("p50_s", 0.0)
-    report.latency_p99_s = overall.get("p99_s", 0.0)
-    report.latency_max_s = overall.get("max_s", 0.0)
-    if killed_s is None:
-        return
-    back = back_s if back_s is not None else float("inf")
-    spans = {"before_kill": (0.0, killed_s), "p_down": (killed_s, back), "p_back": (back, 1e9)}
-    report.phases = {
-        name: _percentiles([r.ended_s - r.started_s for r in full if lo <= r.started_s < hi])
-        for name, (lo, hi) in spans.items()
-    }
-    before = [r.ended_s - r.started_s for r in full if r.ended_s < killed_s]
-    around = [
-        r
-        for r in records
-        if not r.abort and r.ended_s > killed_s and r.started_s < killed_s + AROUND_S
-    ]
-    report.around_kill = {
-        "requests": len(around),
-        "baseline_slowest_s": round(max(before, default=0.0), 3),
-        "longest_s": round(max((r.ended_s - r.started_s for r in around), default=0.0), 3),
-        "last_end_after_kill_s": round(max((r.ended_s - killed_s for r in around), default=0), 3),
-        "bound_s": KILL_END_BOUND_S,
-    }
-    report.late_around_kill = [
-        f"request {r.index} ({r.outcome}): started {r.started_s - killed_s:+.2f} s, "
-        f"ended {r.ended_s - killed_s:+.2f} s from the kill"
-        for r in around
-        if r.ended_s - killed_s > KILL_END_BOUND_S
-    ]
 
 
 def idle(stack: PdStack, report: Report, timeout_s: float = 120.0) -> None:
@@ -407,39 +252,6 @@ def idle(stack: PdStack, report: Report, timeout_s: float = 120.0) -> None:
                 break
             time.sleep(0.5)  # pacing of the poll, not synchronisation
     report.kv_usage_after = usage
-
-
-def check(report: Report) -> None:
-    """Fill ``report.problems``: each names the broken promise and its evidence."""
-    o, p = report.outcomes, report.problems
-    if o["hung"]:
-        p.append(
-            f"{o['hung']} requests hung (no answer within {report.options.request_timeout_s} s)"
-        )
-    if o["mismatch"]:
-        p.append(
-            f"{o['mismatch']} answers differ from the single instance: {report.mismatches[:3]}"
-        )
-    if o["unclear_error"] or o["transport_error"]:
-        p.append(f"failed requests without a clear error: {dict(report.errors)}")
-    if report.idle_after_s is None:
-        p.append(f"KV cache not idle afterwards: {report.kv_usage_after}")
-    if sum(o.values()) != report.options.requests:
-        p.append(f"{report.options.requests - sum(o.values())} requests unaccounted for")
-    if "killed_at_s" not in report.p_restart:
-        p.append("P was never killed")
-    elif "healthy_after_kill_s" not in report.p_restart:
-        p.append(f"P did not come back within {report.options.start_timeout_s} s of its restart")
-    elif report.p_restart.get("used_again_after_health_s", float("inf")) > REUSE_BOUND_S:
-        p.append(
-            f"the restarted P was not sent a leg within {REUSE_BOUND_S} s of its /health: "
-            f"{report.p_restart}"
-        )
-    if report.late_around_kill:
-        p.append(
-            f"{len(report.late_around_kill)} requests around the kill ended more than "
-            f"{KILL_END_BOUND_S} s after it: {report.late_around_kill[:5]}"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
