@@ -231,7 +231,8 @@ def _raw_pieces(
 def _flat(sa: np.ndarray, da: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pieces region-major, or segment-major where that is the source's address order
     (block-outermost layouts put a block's layers side by side), so that ``merge`` finds
-    them sorted and skips its sort: ~3 ms of 65k pieces at 16k tokens (``bench.gpu_push``)."""
+    them sorted and skips its sort, a large share of planning at 16k tokens (``python -m
+    bench.gpu_push`` times planning)."""
     a = sa.reshape(-1)
     if sa.ndim >= 2 and a.size > 1 and not bool((a[1:] > a[:-1]).all()):
         t = np.swapaxes(sa, 0, 1).reshape(-1)

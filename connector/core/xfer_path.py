@@ -10,10 +10,9 @@ Owns: ``XferPath``, ``Locality``, the cost model ``PathModel`` and ``choose_path
   scattered destination blocks through CUDA IPC; no descriptors, no extra bytes.
 
 Pure: no torch, no NIXL, no clock. The model's defaults are fitted to one H200 with P and
-D sharing the GPU (``python -m bench.gpu_paths``, ``bench/results/h200_gpu_paths.txt``):
-there they pick the fastest measured path in every case (with IPC ruled out, in all but
-one: 16k contiguous tokens of 4 KiB rows, where direct pays the planner's CPU time, not
-descriptors). Other machines pass their own ``PathModel``.
+D sharing the GPU (``python -m bench.gpu_paths`` measures each path; the fit and its one
+miss: docs/benchmarks.md, "Scattered blocks on an H200"). Other machines pass their own
+``PathModel``.
 """
 
 import dataclasses
@@ -44,8 +43,8 @@ class PathModel:
     transfers on the direct path, the one with the fewest moving parts.
     """
 
-    direct_fixed_ns: int = 1_200_000  # 1k tokens, contiguous: 1.4-2.0 ms with planning
-    direct_desc_ns: int = 8_300  # per descriptor left after merging (8.0-8.6 us measured)
+    direct_fixed_ns: int = 1_200_000  # 1k contiguous tokens, planning included
+    direct_desc_ns: int = 8_300  # per descriptor left after merging
     direct_gbps: float = 1_200.0
     staged_fixed_ns: int = 2_500_000  # four or more chunks, each a WRITE + notification
     staged_gbps: float = 600.0  # same GPU, 4 x 512 MiB pools; across hosts: the link's rate

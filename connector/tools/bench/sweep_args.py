@@ -170,8 +170,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def make_plan(args: argparse.Namespace) -> SweepPlan:
     lengths = args.lengths or (SMOKE_LENGTHS if args.smoke else (128, 512, 2048))
-    # tiny-kv on one CPU core prefills 2048 tokens in about 0.65 s: P saturates near
-    # 1.5 req/s there, while 128 and 512 tokens stay far below their limits.
+    # The rates reach P's saturation at the longest length on tiny-kv, the shorter lengths
+    # stay below theirs (docs/benchmarks.md, "Why these rates"; `python -m bench.cpu_dtype`).
     rates = args.rates or (SMOKE_RATES if args.smoke else (0.5, 1.0, 2.0, 4.0))
     return SweepPlan(
         tuple(lengths),

@@ -117,8 +117,8 @@ def bench_command(
     if result is not None and workload.request_rate is None:
         # Closed loop: one unmeasured request per client first, so the run starts with its
         # connections open, as a steady state has them; else the first request of each
-        # client also times the client opening its connection, one after another (5-13 ms
-        # at c=8-16), which no span sees (bench/results/fidelity_20261202/).
+        # client also times the client opening its connection, one after another, which no
+        # span sees (docs/benchmarks.md, "Trace fidelity and the router").
         cmd += ["--num-warmups", str(concurrency)]
     if result is not None:
         cmd += [
