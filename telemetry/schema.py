@@ -140,6 +140,11 @@ class Attr(str, Enum):
     # on `request`: where its start comes from: "server" (the HTTP server's stamp when it began
     # parsing the request) or "handler" (no stamp: the handler's start)
     ARRIVAL = "pushkv.router.arrival"
+    # route choice (connector/router/chooser.py), on `route` and `request`: the --policy, why
+    # P and why D were chosen, and how many prompt blocks the chosen D held (prefix policy)
+    ROUTE_POLICY = "pushkv.route.policy"
+    ROUTE_PREFILL_REASON = "pushkv.route.prefill_reason"
+    ROUTE_PREFIX_BLOCKS = "pushkv.route.prefix_blocks"
     REASON = "pushkv.reason"  # why a span ended in error
     HOOK = "pushkv.hook"  # on `hook_failed`: the connector hook that raised
     FAULT = "pushkv.fault"  # an injected fault or check (test-only, pushkv_testing/faults.py)

@@ -3,10 +3,10 @@
 Owns: ``RouterState`` (everything one app instance holds: backends, in-flight background
 tasks, counters; no module globals), ``create_app(config)``, the endpoints
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-``/router/stats``, ``/metrics``; ``/admin/`` is ``drain.py``'s), the ids and timings every
-answer carries (``traceresponse``, ``Server-Timing``), the client-disconnect watch, and
-``main(argv)`` (``serve.py``: uvicorn, the drain on SIGTERM). Each request's attempts are
-``relay.serve_request``'s.
+``/router/stats``, ``/metrics``; ``/admin/``: ``drain.py``, ``membership.py``), the ids and
+timings every answer carries (``traceresponse``, ``Server-Timing``), the client-disconnect
+watch, and ``main(argv)`` (``serve.py``: uvicorn, the drain on SIGTERM). Each request's
+attempts are ``relay.serve_request``'s.
 
 Must not import: vLLM, NIXL, torch (the router runs in its own process, next to neither).
 """
@@ -38,6 +38,7 @@ from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
 from connector.router.drain import RouterDrain, admin_routes
 from connector.router.looplag import LoopLag
+from connector.router.membership import membership_routes
 from connector.router.metrics import RouterMetrics
 from connector.router.relay import DEGRADED, serve_request
 from connector.router.tracing import RequestTrace
@@ -361,6 +362,7 @@ def create_app(
             Route("/router/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *admin_routes(state.backends),
+            *membership_routes(state.backends, config.drain_timeout_s),
         ],
         lifespan=lifespan,
     )

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core.errors import RemoteProtocolError
-from connector.router import legs
+from connector.router import legs, signals
+from connector.router.chooser import Choice, Chooser
 from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig
 from connector.router.policy import BackendLoad, Health, choose, unavailable_reason
 from connector.router.upstream import Reply, TransportError, Upstream
@@ -49,6 +50,9 @@ class Backend:
     # P only: where D reaches this P's KV (flags, probe, or both). None: not known yet.
     coords: PrefillCoords | None = None
     client: Upstream | None = None
+    removed: bool = False  # forgotten (``Backends.remove``): its client is closed
+    # Set when its last leg ends, while ``wait_idle`` waits for that.
+    idle: asyncio.Event | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -59,6 +63,20 @@ class Backend:
         if self.client is None:
             raise RuntimeError(f"{self.name}: router not started (no HTTP client)")
         return self.client
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no leg of this backend is in flight; False if ``timeout_s`` passed."""
+        if self.load.outstanding == 0:
+            return True
+        self.idle = asyncio.Event()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.idle.wait()
+        except TimeoutError:
+            return self.load.outstanding == 0
+        finally:
+            self.idle = None
+        return True
 
     def record_leg_failure(self, *, suspect: bool) -> None:
         """Count a failed leg (``BackendLoad.record_leg_failure``); log the change to
@@ -79,6 +97,8 @@ class Backend:
             "dispatched": self.load.dispatched,
             "failed": self.load.failed,
         }
+        if (sig := self.load.signals) is not None:
+            out["signals"] = {"waiting": sig.waiting, "running": sig.running, "kv": sig.kv_usage}
         if self.role is Role.PREFILL:
             out["ready"] = self.load.ready
             out["coords"] = self.coords.as_dict() if self.coords else None
@@ -89,15 +109,19 @@ class Lease:
     """One leg's claim on a backend. ``release`` is idempotent, so every exit path (normal,
     error, cancellation before the leg's task even ran) may call it."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, choice: Choice | None = None) -> None:
         self.backend = backend
+        self.choice = choice  # why this backend (the route span's reason); None: not a choice
         self._held = True
         backend.load.begin_leg()
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.backend.load.end_leg()
+            b = self.backend
+            b.load.end_leg()
+            if b.load.outstanding == 0 and b.idle is not None:
+                b.idle.set()
 
 
 class Backends:
@@ -106,26 +130,36 @@ class Backends:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._probing = config.mode is Mode.PUSH
+        self.chooser = Chooser(
+            config.policy, stale_s=3 * config.signals_interval_s, max_imbalance=config.max_imbalance
+        )
         self.prefill: list[Backend] = []
-        for i, (url, override) in enumerate(
-            zip(config.prefill_urls, config.prefill_overrides, strict=True)
-        ):
-            coords = override.apply(None)
-            ready = coords is not None or not self._probing
-            self.prefill.append(
-                Backend(
-                    Role.PREFILL,
-                    i,
-                    url,
-                    BackendLoad(i, ready=ready),
-                    override=override,
-                    coords=coords,
-                )
-            )
-        self.decode = [
-            Backend(Role.DECODE, i, url, BackendLoad(i)) for i, url in enumerate(config.decode_urls)
-        ]
+        self.decode: list[Backend] = []
+        # Indexes are never reused: a removed backend's index stays unknown (failed-this-
+        # request sets, prefix tables and admin paths name backends by it).
+        self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
+        for url, override in zip(config.prefill_urls, config.prefill_overrides, strict=True):
+            self._new(Role.PREFILL, url, override)
+        for url in config.decode_urls:
+            self._new(Role.DECODE, url)
         self._loop_task: asyncio.Task[None] | None = None
+        self._signals_task: asyncio.Task[None] | None = None
+        self._started = False
+
+    def _new(self, role: Role, url: str, override: CoordOverride | None = None) -> Backend:
+        i = self._next_index[role]
+        self._next_index[role] = i + 1
+        override = override or CoordOverride()
+        coords = override.apply(None) if role is Role.PREFILL else None
+        ready = role is Role.DECODE or coords is not None or not self._probing
+        b = Backend(
+            role, i, url, BackendLoad(i, ready=ready, key=url), override=override, coords=coords
+        )
+        self.pool(role).append(b)
+        return b
+
+    def pool(self, role: Role) -> list[Backend]:
+        return self.prefill if role is Role.PREFILL else self.decode
 
     @property
     def all(self) -> list[Backend]:
@@ -136,26 +170,35 @@ class Backends:
     async def start(self) -> None:
         """Create the clients, run one health round (so a router whose backends are up is
         ready when it starts listening), then keep checking in the background."""
-        c = self.config
         for b in self.all:
-            b.client = Upstream(
-                b.url,
-                timeout_s=c.timeout_s,
-                connect_timeout_s=c.connect_timeout_s,
-                max_connections=c.max_connections,
-                keepalive_expiry_s=c.keepalive_expiry_s,
-                api_key=c.backend_api_key,
-            )
-            await b.client.start()
+            await self._open(b)
         await self.check_all()
         self._loop_task = asyncio.create_task(self._health_loop(), name="pushkv-router-health")
+        if self.config.policy.needs_signals:
+            self._signals_task = asyncio.create_task(
+                self._signals_loop(), name="pushkv-router-signals"
+            )
+        self._started = True
+
+    async def _open(self, b: Backend) -> None:
+        c = self.config
+        b.client = Upstream(
+            b.url,
+            timeout_s=c.timeout_s,
+            connect_timeout_s=c.connect_timeout_s,
+            max_connections=c.max_connections,
+            keepalive_expiry_s=c.keepalive_expiry_s,
+            api_key=c.backend_api_key,
+        )
+        await b.client.start()
 
     async def stop(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):  # the cancel just asked for
-                await self._loop_task
-            self._loop_task = None
+        for task in (self._loop_task, self._signals_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):  # the cancel just asked for
+                    await task
+        self._loop_task = self._signals_task = None
         clients = [b.client for b in self.all if b.client is not None]
         await asyncio.gather(*(cl.close() for cl in clients), return_exceptions=True)
 
@@ -172,6 +215,21 @@ class Backends:
             else:
                 await asyncio.gather(*(self._check(b) for b in self.all if self._out(b)))
 
+    async def _signals_loop(self) -> None:
+        """Each engine's queue and KV usage, every ``--signals-interval`` (each read bounded
+        by it too, so a hung /metrics delays no round)."""
+        while True:
+            await self.read_signals()
+            await asyncio.sleep(self.config.signals_interval_s)  # the schedule, not a sync
+
+    async def read_signals(self) -> None:
+        """One round of /metrics reads over every backend (concurrently)."""
+        timeout = min(self.config.signals_interval_s, self.config.health_timeout_s)
+        await asyncio.gather(
+            *(signals.scrape(b, timeout) for b in self.all if not b.removed and b.client),
+            return_exceptions=True,  # a backend removed meanwhile: its client closed
+        )
+
     def _out(self, b: Backend) -> bool:
         """Out of service: not healthy (suspect is still in service), or a P the router
         cannot route to yet (coordinates unknown)."""
@@ -186,6 +244,8 @@ class Backends:
         await asyncio.gather(*(self._check(b) for b in self.all))
 
     async def _check(self, b: Backend) -> None:
+        if b.removed:
+            return
         before = b.load.health
         answered = True
         try:
@@ -194,7 +254,14 @@ class Backends:
         except TransportError as exc:
             # a timeout: maybe just a loaded host, tolerated a few times
             ok, answered = False, exc.kind != "timeout"
+        except RuntimeError:
+            if b.removed:  # forgotten while its check was on the wire
+                return
+            raise
         came_back = b.load.record_health(ok, answered=answered)
+        if b.load.health is Health.DOWN and before is not Health.DOWN:
+            # Back from down it may be a new process: its prefix cache is cold.
+            self.chooser.table(b.role.value).forget(b.index)
         if b.load.health is not before:
             log = logger.info if ok else logger.warning
             log("router backend %s: %s -> %s", b.name, before.value, b.load.health.value)
@@ -233,24 +300,29 @@ class Backends:
 
     # -- choice ------------------------------------------------------------------------
 
-    def acquire(self, role: Role, exclude: frozenset[int] = frozenset()) -> Lease | None:
-        """Choose a backend for one leg and count the leg at once (before any await), so
-        concurrent requests see each other. ``exclude``: indexes this request already
-        failed on. A push-mode P whose coordinates are gone is not eligible."""
-        pool = self.prefill if role is Role.PREFILL else self.decode
+    def acquire(
+        self, role: Role, exclude: frozenset[int] = frozenset(), prefix: tuple[int, ...] = ()
+    ) -> Lease | None:
+        """Choose a backend for one leg (``--policy``) and count the leg at once (before any
+        await), so concurrent requests see each other. ``exclude``: indexes this request
+        already failed on; ``prefix``: the prompt's block hashes (prefix policy). A push-mode
+        P whose coordinates are gone is not eligible."""
+        pool = self.pool(role)
         needs_coords = role is Role.PREFILL and self.config.mode is not Mode.PULL
-        picked = choose(
-            b.load
+        by_index = {
+            b.index: b
             for b in pool
             if b.index not in exclude and not (needs_coords and b.coords is None)
-        )
-        return Lease(pool[picked.index]) if picked is not None else None
+        }
+        now = asyncio.get_running_loop().time()
+        choice = self.chooser.choose(role.value, (b.load for b in by_index.values()), prefix, now)
+        return Lease(by_index[choice.load.index], choice) if choice is not None else None
 
     def find(self, role: Role, key: str) -> Backend | None:
         """The backend of ``role`` named by its index (``0``) or its URL, else None."""
-        pool = self.prefill if role is Role.PREFILL else self.decode
+        pool = self.pool(role)
         if key.isdigit():
-            return pool[int(key)] if int(key) < len(pool) else None
+            return next((b for b in pool if b.index == int(key)), None)
         return next((b for b in pool if b.url == key.rstrip("/")), None)
 
     def set_draining(self, b: Backend, draining: bool) -> None:
@@ -264,17 +336,41 @@ class Backends:
                 b.load.outstanding,
             )
 
+    # -- membership (admin API: membership.py) -----------------------------------------
+
+    async def add(self, role: Role, url: str, override: CoordOverride | None = None) -> Backend:
+        """A new backend, checked (and, a push-mode P, probed) once before this returns: it
+        gets legs only once healthy (and probed), like one given at start-up."""
+        b = self._new(role, url, override)
+        logger.warning("router backend %s: added", b.name)
+        if self._started:
+            await self._open(b)
+            await self._check(b)
+        return b
+
+    async def remove(self, b: Backend) -> None:
+        """Forget ``b`` (its legs must be over: drain first); its client is closed."""
+        pool = self.pool(b.role)
+        if b in pool:
+            pool.remove(b)
+        b.removed = True
+        self.chooser.table(b.role.value).forget(b.index)
+        logger.warning("router backend %s: removed", b.name)
+        if b.client is not None:
+            await b.client.close()
+
     def pick(self, role: Role) -> Backend | None:
         """A backend for a request that is not a leg (``/v1/models``): not counted."""
-        pool = self.prefill if role is Role.PREFILL else self.decode
+        pool = self.pool(role)
         picked = choose(b.load for b in pool)
-        return pool[picked.index] if picked is not None else None
+        return next(b for b in pool if b.load is picked) if picked is not None else None
 
     def unavailable_reason(self) -> str | None:
         return unavailable_reason([b.load for b in self.prefill], [b.load for b in self.decode])
 
     def stats(self) -> dict[str, Any]:
         return {
+            "policy": self.config.policy.value,
             "prefill": [b.stats() for b in self.prefill],
             "decode": [b.stats() for b in self.decode],
         }

@@ -20,6 +20,7 @@ from msgspec import structs
 
 from connector.core.errors import ConfigError
 from connector.kv_params import MIN_SECRET_BYTES, Coordinates
+from connector.router.chooser import Policy
 
 # Environment variables the router reads (docs/security.md): secrets stay off command lines.
 ENV_API_KEY = "PUSHKV_ROUTER_API_KEY"
@@ -96,7 +97,7 @@ class CoordOverride:
         return out
 
 
-def _check_url(url: str) -> str:
+def check_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"backend URL must start with http:// or https://, got {url!r}")
     return url.rstrip("/")
@@ -146,14 +147,21 @@ class RouterConfig:
     backend_api_key: str | None = field(default=None, repr=False)
     auth_secret: bytes | None = field(default=None, repr=False)
     coords_ttl_s: float = 60.0
+    # Backend choice (connector/router/chooser.py): the policy, how often the engines'
+    # /metrics are read for it (signals older than 3 intervals are ignored), the prefix
+    # policy's block size and how far above the least-loaded backend a prefix holder may be.
+    policy: Policy = Policy.LEAST_LOAD
+    signals_interval_s: float = 1.0
+    prefix_block_chars: int = 64
+    max_imbalance: float = 4.0
 
     def __post_init__(self) -> None:
         if not self.prefill_urls:
             raise ConfigError("at least one --prefill URL is required")
         if not self.decode_urls:
             raise ConfigError("at least one --decode URL is required")
-        object.__setattr__(self, "prefill_urls", tuple(_check_url(u) for u in self.prefill_urls))
-        object.__setattr__(self, "decode_urls", tuple(_check_url(u) for u in self.decode_urls))
+        object.__setattr__(self, "prefill_urls", tuple(check_url(u) for u in self.prefill_urls))
+        object.__setattr__(self, "decode_urls", tuple(check_url(u) for u in self.decode_urls))
         overrides = self.prefill_overrides or tuple(CoordOverride() for _ in self.prefill_urls)
         if len(overrides) != len(self.prefill_urls):
             raise ConfigError(
@@ -169,11 +177,16 @@ class RouterConfig:
             "keepalive_expiry_s",
             "coords_ttl_s",
             "drain_timeout_s",
+            "signals_interval_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.auth_secret is not None and len(self.auth_secret) < MIN_SECRET_BYTES:
             raise ConfigError(f"the P/D secret needs at least {MIN_SECRET_BYTES} bytes")
+        if self.prefix_block_chars < 1:
+            raise ConfigError(f"--prefix-block-chars must be >= 1, got {self.prefix_block_chars}")
+        if self.max_imbalance < 0:
+            raise ConfigError(f"--max-imbalance must be >= 0, got {self.max_imbalance}")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be >= 1")
         if self.max_attempts < 1:
@@ -286,6 +299,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the router at SCHED_FIFO priority N (1-99; needs root or CAP_SYS_NICE), "
         "so requests do not wait for a core the engines hold (0: the normal class)",
     )
+    c = p.add_argument_group("backend choice (docs/routers.md)")
+    c.add_argument(
+        "--policy",
+        choices=[x.value for x in Policy],
+        default=Policy.LEAST_LOAD.value,
+        help="least-load: the router's outstanding legs; engine-load: the engines' queues and "
+        "KV usage (their /metrics); prefix: the backend holding the prompt's prefix",
+    )
+    c.add_argument(
+        "--signals-interval", type=float, default=1.0, metavar="S", help="/metrics read every S s"
+    )
+    c.add_argument(
+        "--prefix-block-chars",
+        type=int,
+        default=64,
+        metavar="N",
+        help="prefix policy: prompts are compared in blocks of N characters",
+    )
+    c.add_argument(
+        "--max-imbalance",
+        type=float,
+        default=4.0,
+        metavar="COST",
+        help="prefix policy: a prefix holder is passed over once its cost (about one unit "
+        "per queued request) is more than COST above the least-loaded backend's",
+    )
     s = p.add_argument_group("security (docs/security.md)")
     s.add_argument(
         "--api-key",
@@ -361,6 +400,10 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
                 s.encode() if (s := _secret(a.auth_secret_file, ENV_AUTH_SECRET)) else None
             ),
             coords_ttl_s=a.coords_ttl,
+            policy=Policy(a.policy),
+            signals_interval_s=a.signals_interval,
+            prefix_block_chars=a.prefix_block_chars,
+            max_imbalance=a.max_imbalance,
         )
     except ConfigError as exc:
         parser.error(str(exc))

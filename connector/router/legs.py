@@ -78,21 +78,33 @@ def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
     elif isinstance(value, list):
         if not value:
             raise InvalidRequest("'prompt' must not be empty")
-        # A list of strings or of token lists is a batch: vLLM makes one engine request
-        # per prompt, and one transfer_id cannot pair several (list[int] is one prompt).
-        if len(value) > 1 and not all(isinstance(t, int) for t in value):
-            raise InvalidRequest(
-                "batched prompts are not supported by the router; send one prompt per request"
-            )
     elif not isinstance(value, str):
         raise InvalidRequest("'prompt' must be a string or a list")
     if PARAMS_FIELD in body:
         raise InvalidRequest(f"{PARAMS_FIELD!r} is set by the router, not by clients")
-    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
-        raise InvalidRequest("n > 1 / best_of > 1 are not supported in disaggregated serving")
     if not isinstance(body.get("stream", False), bool):
         raise InvalidRequest("'stream' must be a boolean")
     return body
+
+
+def decode_alone_reason(body: JsonObj) -> str | None:
+    """Why a valid request goes to D alone (D computes its prompt, as vLLM serves it), or
+    None: what one transfer cannot carry. vLLM makes an engine request per prompt of a list
+    and per sequence of ``n`` / ``best_of``, and one transfer_id pairs one P request with
+    one D request. Values vLLM would refuse go to D too, which answers its own 400."""
+
+    def more_than_one(key: str) -> bool:
+        v = body.get(key)
+        return isinstance(v, int) and not isinstance(v, bool) and v > 1
+
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        return f"a list of {len(prompt)} prompts: one transfer pairs one prompt"
+    if more_than_one("n"):
+        return f"n = {body['n']}: one transfer feeds one sequence"
+    if more_than_one("best_of"):
+        return f"best_of = {body['best_of']}: one transfer feeds one sequence"
+    return None
 
 
 def new_transfer_id() -> str:

@@ -17,6 +17,17 @@ from dataclasses import dataclass
 DOWN_AFTER = 3
 
 
+@dataclass(frozen=True)
+class Signals:
+    """One scrape of an engine's /metrics: its queue and KV usage, and when (``at``, the
+    scraper's monotonic seconds) they were read. Stale ones are ignored (``chooser.py``)."""
+
+    waiting: float  # vllm:num_requests_waiting
+    running: float  # vllm:num_requests_running
+    kv_usage: float  # vllm:kv_cache_usage_perc, a fraction 0..1
+    at: float
+
+
 class Health(enum.Enum):
     UNKNOWN = "unknown"  # not checked yet: not used
     HEALTHY = "healthy"  # last /health answered 200
@@ -30,6 +41,7 @@ class BackendLoad:
 
     index: int
     health: Health = Health.UNKNOWN
+    key: str = ""  # the backend's URL: names it to the prefix policy's rendezvous
     # False while a push-mode P's transfer coordinates are unknown (not probed yet).
     ready: bool = True
     outstanding: int = 0  # legs sent and not finished
@@ -39,6 +51,8 @@ class BackendLoad:
     # Taken out of rotation by the operator (``POST /admin/backends/.../drain``): no new
     # legs, its legs in flight run on; health is still checked. Orthogonal to ``health``.
     draining: bool = False
+    # The engine's own view (its /metrics, ``signals.py``); None until first scraped.
+    signals: Signals | None = None
 
     @property
     def eligible(self) -> bool:
@@ -81,15 +95,19 @@ class BackendLoad:
         self.outstanding -= 1
 
 
+def usable(loads: Iterable[BackendLoad]) -> list[BackendLoad]:
+    """The backends a leg may go to: the eligible ones, else the suspect ones (``choose``)."""
+    loads = list(loads)
+    return [b for b in loads if b.eligible] or [b for b in loads if b.fallback]
+
+
 def choose(loads: Iterable[BackendLoad]) -> BackendLoad | None:
     """Least outstanding legs among eligible backends. Ties go to the one that has served
     fewer legs so far (so a sequential client still spreads), then to the lower index.
     With none eligible, the same among suspect ones: one dropped connection to the only P
     turned every request into a 503 until the next health check (198 of 480 in a benchmark
     run); a dead server still goes down at that check. ``None`` when neither is left."""
-    loads = list(loads)
-    pool = [b for b in loads if b.eligible] or [b for b in loads if b.fallback]
-    return min(pool, key=lambda b: (b.outstanding, b.dispatched, b.index), default=None)
+    return min(usable(loads), key=lambda b: (b.outstanding, b.dispatched, b.index), default=None)
 
 
 def unavailable_reason(prefill: Sequence[BackendLoad], decode: Sequence[BackendLoad]) -> str | None:

@@ -24,10 +24,11 @@ from typing import Any, Final, Protocol
 
 from starlette.types import Send
 
-from connector.router import legs
+from connector.router import affinity, legs
 from connector.router.answer import send_error
 from connector.router.attempt import Attempt, Retry
 from connector.router.backends import Backends, Lease, Role
+from connector.router.chooser import Policy
 from connector.router.config import FirstToken, RouterConfig
 from connector.router.modes import strategy_for
 from connector.router.tracing import RequestTrace
@@ -64,16 +65,33 @@ async def serve_attempt(a: Attempt, send: Send) -> None:
         a.cleanup()
 
 
-def route(router: Router, failed: dict[Role, set[int]]) -> tuple[Lease | None, Lease | None]:
+def prefix_of(config: RouterConfig, body: dict[str, Any]) -> tuple[int, ...]:
+    """The prompt's block hashes when the policy routes on them (else nothing to hash)."""
+    if config.policy is not Policy.PREFIX:
+        return ()
+    text = affinity.prefix_text(body)
+    return affinity.block_hashes(text, config.prefix_block_chars) if text else ()
+
+
+def route(
+    router: Router,
+    failed: dict[Role, set[int]],
+    prefix: tuple[int, ...] = (),
+    *,
+    decode_alone: bool = False,
+) -> tuple[Lease | None, Lease | None]:
     """P and D for the next attempt, avoiding the backends this request failed on. P is
     None with D set for a degraded attempt: no P usable (none healthy, or the only ones
     failed this request before its first byte), degraded mode on: losing a P mid-flight
-    costs the request a local prefill on D, not an error."""
+    costs the request a local prefill on D, not an error. ``prefix``: ``prefix_of``;
+    ``decode_alone``: the request goes to D whole (``legs.decode_alone_reason``)."""
     backends = router.backends
-    p = backends.acquire(Role.PREFILL, frozenset(failed[Role.PREFILL]))
-    if p is None and not router.config.degraded:
-        return None, None
-    d = backends.acquire(Role.DECODE, frozenset(failed[Role.DECODE]))
+    p = None
+    if not decode_alone:
+        p = backends.acquire(Role.PREFILL, frozenset(failed[Role.PREFILL]), prefix)
+        if p is None and not router.config.degraded:
+            return None, None
+    d = backends.acquire(Role.DECODE, frozenset(failed[Role.DECODE]), prefix)
     if d is None and p is not None:
         p.release()
         p = None
@@ -97,9 +115,11 @@ async def serve_request(
     max_attempts = router.config.max_attempts
     failed: dict[Role, set[int]] = {Role.PREFILL: set(), Role.DECODE: set()}
     last: Retry | None = None
+    prefix = prefix_of(router.config, body)
+    alone = legs.decode_alone_reason(body)
     for attempt in range(1, max_attempts + 1):
         route_start = time.time_ns()
-        p, d = route(router, failed)
+        p, d = route(router, failed, prefix, decode_alone=alone is not None)
         if d is None:
             trace.routed(route_start, None, None, None, error="no_backend")
             trace.attempted(attempt - 1, degraded=False)
@@ -108,12 +128,23 @@ async def serve_request(
                 return last.error.message
             await unavailable(router.backends.unavailable_reason() or "no healthy backend")
             return "no_backend"
-        if p is not None:
-            trace.routed(route_start, p.backend.url, d.backend.url, d.backend.load.outstanding)
-        else:
+        d_why = d.choice.reason if d.choice else ""
+        if alone is not None:
+            d_why = f"D alone: {alone}; {d_why}"
+        elif p is None:
             router.degraded += 1
-            trace.routed(route_start, None, d.backend.url, d.backend.load.outstanding, **DEGRADED)
-        trace.attempted(attempt, degraded=p is None)
+            d_why = f"{DEGRADED['reason']}; {d_why}"
+        trace.routed(
+            route_start,
+            p.backend.url if p is not None else None,
+            d.backend.url,
+            d.backend.load.outstanding,
+            reason=d_why,
+            policy=router.config.policy.value,
+            prefill_reason=p.choice.reason if p is not None and p.choice else None,
+            prefix_blocks=d.choice.prefix_blocks if d.choice else None,
+        )
+        trace.attempted(attempt, degraded=p is None and alone is None)
         a = Attempt(
             router.config,
             endpoint,

@@ -163,9 +163,21 @@ class RequestTrace:
         outstanding: int | None,
         error: str | None = None,
         reason: str = "least outstanding among healthy",
+        *,
+        policy: str | None = None,
+        prefill_reason: str | None = None,
+        prefix_blocks: int | None = None,
     ) -> None:
+        """The route span; ``reason`` is D's choice's (or the degraded one's),
+        ``prefill_reason`` P's."""
         if self._root is None:
             return
+        choice = {
+            Attr.ROUTE_REASON: None if error else reason,
+            Attr.ROUTE_POLICY: policy,
+            Attr.ROUTE_PREFILL_REASON: None if error else prefill_reason,
+            Attr.ROUTE_PREFIX_BLOCKS: prefix_blocks,
+        }
         emit(
             self._tracer,
             Span.ROUTE,
@@ -177,13 +189,15 @@ class RequestTrace:
                 Attr.PREFILL_URL: prefill_url,
                 Attr.DECODE_URL: decode_url,
                 Attr.PENDING: outstanding,
-                Attr.ROUTE_REASON: None if error else reason,
+                **choice,
             },
         )
         if decode_url:
             self._root.set_attributes(
                 {Attr.DECODE_URL.value: decode_url, Attr.PREFILL_URL.value: prefill_url or ""}
             )
+            # the last attempt's choice wins, like the URLs
+            self._root.set_attributes({k.value: v for k, v in choice.items() if v is not None})
 
     def attempt_failed(self, attempt: int, role: str, reason: str) -> None:
         """One attempt's leg failed before the client got a byte; another attempt follows."""

@@ -3,6 +3,7 @@
 Knobs (set before or during a test): ``healthy``; ``gate`` (answer a generation request only
 once this event is set); ``fail_first_n`` / ``error_status`` / ``error_body`` (checked after
 the gate); ``stream_gate`` (a streamed answer pauses after its first chunk until set);
+``waiting`` / ``running`` / ``kv_usage`` / ``metrics_status`` (its /metrics);
 ``crash_mid_stream`` (drop the connection after the first chunk); ``stream_error_first_n``
 (the first n streamed answers are 200 with an error event, as vLLM streams a request that
 failed before its first token); ``coords`` (P's probe
@@ -75,6 +76,9 @@ class MockBackend:
         self.probes: list[Seen] = []
         self.responses: list[bytes] = []  # non-streamed bodies sent, byte for byte
         self.health_checks = 0
+        # /metrics: vLLM's queue and KV gauges (the engine-load and prefix policies read them)
+        self.waiting, self.running, self.kv_usage = 0, 0, 0.0
+        self.metrics_status = 200
         self.arrived = asyncio.Event()  # first generation request (not a probe) is in
         self.first_chunk_sent = asyncio.Event()
         self._count = asyncio.Condition()
@@ -98,6 +102,7 @@ class MockBackend:
             routes=[
                 Route("/health", self._health, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/v1/completions", self._generate, methods=["POST"]),
                 Route("/v1/chat/completions", self._generate, methods=["POST"]),
             ]
@@ -106,6 +111,17 @@ class MockBackend:
     async def _health(self, _request: Request) -> Response:
         self.health_checks += 1
         return Response(status_code=200 if self.healthy else 503)
+
+    async def _metrics(self, _request: Request) -> Response:
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        text = (
+            f"# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} {self.waiting}\n"
+            f'vllm:num_requests_waiting_by_reason{{engine="0",reason="capacity"}} 99.0\n'
+            f"vllm:num_requests_running{labels} {self.running}\n"
+            f"vllm:kv_cache_usage_perc{labels} {self.kv_usage}\n"
+        )
+        return Response(text, status_code=self.metrics_status, media_type="text/plain")
 
     async def _models(self, _request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})

