@@ -24,7 +24,7 @@ from typing import Any
 
 # Hashing stops after this many blocks (8192 characters at 64 a block): prompts equal for
 # that long are routed together, and a long prompt costs the router no more than that
-# (hashing and the table's walk: 0.5 ms and 0.1 ms on a loaded core).
+# (docs/routers.md, "Choosing P and D", has the cost).
 MAX_BLOCKS = 128
 TABLE_ENTRIES = 1 << 16  # per role: block chains remembered (about 8 MiB)
 

@@ -244,7 +244,7 @@ class Backends:
         await asyncio.gather(*(self._check(b) for b in self.all))
 
     async def _check(self, b: Backend) -> None:
-        if b.removed:
+        if b.removed or b.client is None:  # forgotten, or added and its client not open yet
             return
         before = b.load.health
         answered = True
