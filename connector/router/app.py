@@ -36,6 +36,7 @@ from connector.router.answer import SSE_DONE
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
+from connector.router.discovery import Discovery
 from connector.router.drain import RouterDrain, admin_routes
 from connector.router.looplag import LoopLag
 from connector.router.membership import membership_routes
@@ -65,10 +66,13 @@ class RouterState:
         self.metrics = RouterMetrics(self)
         self.loop_lag = LoopLag()
         self.drain = RouterDrain()  # SIGTERM: refuse new requests, finish those in flight
+        self.discovery = Discovery.of(config, self.backends)  # --members-file, else None
 
     async def start(self) -> None:
         self.loop_lag.start()
         await self.backends.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         c = self.config
         logger.info(
             "router up: mode=%s prefill=%s decode=%s; API key %s; backend key %s; P coordinates %s",
@@ -85,6 +89,8 @@ class RouterState:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.backends.stop()
         await self.loop_lag.stop()
 

@@ -20,6 +20,7 @@ from msgspec import structs
 
 from connector.core.errors import ConfigError
 from connector.kv_params import MIN_SECRET_BYTES, Coordinates
+from connector.router import choice_args
 from connector.router.chooser import Policy
 
 # Environment variables the router reads (docs/security.md): secrets stay off command lines.
@@ -154,12 +155,18 @@ class RouterConfig:
     signals_interval_s: float = 1.0
     prefix_block_chars: int = 64
     max_imbalance: float = 4.0
+    # Membership from a watched file (connector/router/discovery.py), re-read this often.
+    members_file: str | None = None
+    members_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls:
-            raise ConfigError("at least one --prefill URL is required")
-        if not self.decode_urls:
-            raise ConfigError("at least one --decode URL is required")
+        if not self.members_file:
+            if not self.prefill_urls:
+                raise ConfigError("at least one --prefill URL (or a --members-file) is required")
+            if not self.decode_urls:
+                raise ConfigError("at least one --decode URL (or a --members-file) is required")
+        elif self.mode is Mode.VLLM_PUSH:
+            raise ConfigError("--members-file cannot give --mode vllm-push its P coordinates")
         object.__setattr__(self, "prefill_urls", tuple(check_url(u) for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(check_url(u) for u in self.decode_urls))
         overrides = self.prefill_overrides or tuple(CoordOverride() for _ in self.prefill_urls)
@@ -178,6 +185,7 @@ class RouterConfig:
             "coords_ttl_s",
             "drain_timeout_s",
             "signals_interval_s",
+            "members_interval_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -237,14 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill",
         nargs="+",
-        required=True,
         metavar="URL",
-        help="base URL of each prefill vLLM server (http://host:port)",
+        help="base URL of each prefill vLLM server (http://host:port); required unless "
+        "--members-file lists them",
     )
     p.add_argument(
         "--decode",
         nargs="+",
-        required=True,
         metavar="URL",
         help="base URL of each decode vLLM server",
     )
@@ -299,32 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the router at SCHED_FIFO priority N (1-99; needs root or CAP_SYS_NICE), "
         "so requests do not wait for a core the engines hold (0: the normal class)",
     )
-    c = p.add_argument_group("backend choice (docs/routers.md)")
-    c.add_argument(
-        "--policy",
-        choices=[x.value for x in Policy],
-        default=Policy.LEAST_LOAD.value,
-        help="least-load: the router's outstanding legs; engine-load: the engines' queues and "
-        "KV usage (their /metrics); prefix: the backend holding the prompt's prefix",
-    )
-    c.add_argument(
-        "--signals-interval", type=float, default=1.0, metavar="S", help="/metrics read every S s"
-    )
-    c.add_argument(
-        "--prefix-block-chars",
-        type=int,
-        default=64,
-        metavar="N",
-        help="prefix policy: prompts are compared in blocks of N characters",
-    )
-    c.add_argument(
-        "--max-imbalance",
-        type=float,
-        default=4.0,
-        metavar="COST",
-        help="prefix policy: a prefix holder is passed over once its cost (about one unit "
-        "per queued request) is more than COST above the least-loaded backend's",
-    )
+    choice_args.add_to(p)
     s = p.add_argument_group("security (docs/security.md)")
     s.add_argument(
         "--api-key",
@@ -363,7 +345,8 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
     parser = build_parser()
     a = parser.parse_args(list(argv))
     try:
-        n = len(a.prefill)
+        prefill, decode = a.prefill or [], a.decode or []
+        n = len(prefill)
         ids = _broadcast("prefill-engine-id", a.prefill_engine_id, n)
         hosts = _broadcast("prefill-kv-host", a.prefill_kv_host, n)
         ports = _broadcast("prefill-kv-port", a.prefill_kv_port, n)
@@ -376,8 +359,8 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
                 tp = 1  # vLLM's own proxy defaults --prefill-tp-size to 1 as well
             overrides.append(CoordOverride(ids[i], hosts[i], ports[i], tp))  # type: ignore[arg-type]
         return RouterConfig(
-            prefill_urls=tuple(a.prefill),
-            decode_urls=tuple(a.decode),
+            prefill_urls=tuple(prefill),
+            decode_urls=tuple(decode),
             mode=mode,
             first_token=FirstToken(a.first_token),
             host=a.host,
@@ -400,10 +383,7 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
                 s.encode() if (s := _secret(a.auth_secret_file, ENV_AUTH_SECRET)) else None
             ),
             coords_ttl_s=a.coords_ttl,
-            policy=Policy(a.policy),
-            signals_interval_s=a.signals_interval,
-            prefix_block_chars=a.prefix_block_chars,
-            max_imbalance=a.max_imbalance,
+            **choice_args.config_of(a),
         )
     except ConfigError as exc:
         parser.error(str(exc))
