@@ -1,4 +1,4 @@
-"""Bounded failover on real engines (issue #31): 1 P, 1 D and the router under load from 8
+"""Bounded failover on real engines: 1 P, 1 D and the router under load from 8
 clients; kill -9 of P's process group; P restarted.
 
 D runs vLLM's default ``kv_load_failure_policy: fail`` (a failed load is a 500 on the decode

@@ -1,4 +1,4 @@
-"""Faults on real engines (issue #21): every failure ends in a definite, traced outcome
+"""Faults on real engines: every failure ends in a definite, traced outcome
 within a bounded time, and the pair keeps serving.
 
 One P/D stack for the whole module, with deadlines configured short (D: receive 1 s, write

@@ -1,4 +1,4 @@
-"""2P2D on simulated hosts (issue #19): real vLLM P and D servers on the tiny model, each in
+"""2P2D on simulated hosts: real vLLM P and D servers on the tiny model, each in
 a network namespace of its own, the router outside.
 
 Each server binds its API, side channel and doorbell to its host's address and advertises

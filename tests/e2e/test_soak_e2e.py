@@ -1,4 +1,4 @@
-"""The soak as a test (issue #31), short form: a few hundred requests through P, D and the
+"""The soak as a test, short form: a few hundred requests through P, D and the
 router on the tiny model, with random client aborts and one kill -9 of P and its restart.
 
 ``bench.soak.run`` does the work (``make soak`` is the long form, 2,000 requests) and

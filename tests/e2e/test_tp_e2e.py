@@ -1,4 +1,4 @@
-"""Heterogeneous tensor parallelism on real vLLM (issue #19): P at TP 2 into D at TP 1, and
+"""Heterogeneous tensor parallelism on real vLLM: P at TP 2 into D at TP 1, and
 P at TP 1 into D at TP 2, through the router, on the tiny model (2 KV heads: one per rank).
 
 vLLM's CPU build runs TP 2 on this 2-core machine: one OpenMP core per rank

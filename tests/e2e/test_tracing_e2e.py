@@ -7,7 +7,7 @@ and D's files; every span of the push path present exactly once; parents as in
 telemetry/schema.py; children inside parents, events inside their span, no negative
 durations; P's WRITE ends before D counts its completion. A failure (D told to pull from a P
 nobody runs) ends D's spans with an error status and a reason. Under ``vllm bench serve`` at
-concurrency 8 and 16, each request's trace accounts for the TTFT its client saw (issue #18).
+concurrency 8 and 16, each request's trace accounts for the TTFT its client saw.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A dead or silent peer costs only its own transfers, and a dead one is known at once
-(issue #31), over real sockets and real NIXL processes on loopback.
+over real sockets and real NIXL processes on loopback.
 
 The pure logic (backoff, which callback runs when) is tests/unit/transfer/test_peers.py;
 here: the side channel's dials run beside each other and a refused connection is seen in

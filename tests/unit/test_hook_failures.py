@@ -1,4 +1,4 @@
-"""A hook of ours that raises lets go of its request definitely (issue #21, item 2), and the
+"""A hook of ours that raises lets go of its request definitely, and the
 test-only fault injection that makes it (and a failed WRITE, a lost ``done``) happen on
 purpose (pushkv_testing/faults.py).
 

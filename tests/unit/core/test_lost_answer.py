@@ -1,5 +1,5 @@
-"""A lost answer costs D one heartbeat, not its receive deadline (issue #21: "a lost
-notification: D learns within 1 s").
+"""A lost answer costs D one heartbeat, not its receive deadline (a lost
+notification: D learns within 1 s).
 
 P answers a heartbeat for a transfer it has already ended as it answers a cancel: the
 WRITE's `done` again (DONE) or its `fail` (any other end). D heartbeats every transfer it

@@ -1,5 +1,5 @@
 """Peers on the fake transport: one peer's silence or death never delays another's work,
-a refused connection is an answer, and a failed peer backs off (issue #31).
+a refused connection is an answer, and a failed peer backs off.
 
 The fake's dial is immediate, so time is the test's own (``now``); what is checked is when
 each callback runs relative to the dial deadline and the backoff, not wall-clock speed.
