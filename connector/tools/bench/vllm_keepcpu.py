@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 KEEP_CPU_BINDING_KEY = "bench_keep_cpu_binding"  # the kv_connector_extra_config switch
-# The benchmark counts this line in the server logs (connector.tools.bench.serve_bench.LOG_SIGNALS).
+# The benchmark counts this line in the server logs (connector.tools.bench.serve_run.LOG_SIGNALS).
 KEPT_MARKER = "connector.tools.bench.vllm_keepcpu: kept CPUs"
 _WRAPPED = "_bench_keepcpu_wrapped"
 

@@ -103,7 +103,7 @@ def test_aggregate_names_a_folder_without_results(
 def test_repeats_rotate_the_order_and_report_the_medians(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from connector.tools.bench import serve_bench
+    from connector.tools.bench import serve_bench, serve_run
     from connector.tools.bench.report import LevelResult
 
     calls: list[tuple[str, str]] = []
@@ -118,7 +118,7 @@ def test_repeats_rotate_the_order_and_report_the_medians(
             True,
             metrics={"median_ttft_ms": next(ttft[config.name]), "mean_tpot_ms": 8.0},
         )
-        return serve_bench.ConfigRun([result], 1.0, {})
+        return serve_run.ConfigRun([result], 1.0, {})
 
     monkeypatch.setattr(serve_bench, "run_config", fake_run_config)
     monkeypatch.setattr(serve_bench, "make_tiny_model", lambda: tmp_path / "model")
