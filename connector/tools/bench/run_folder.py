@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from connector.tools.bench.level_result import LevelResult, median_results
 from connector.tools.bench.report import (
-    LevelResult,
     markdown_report,
-    median_results,
     print_rich,
     ratios,
     round_tally,

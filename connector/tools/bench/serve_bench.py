@@ -34,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from connector.tools.bench.report import LevelResult
+from connector.tools.bench.level_result import LevelResult
 from connector.tools.bench.run_folder import (
     arrivals,
     publish,

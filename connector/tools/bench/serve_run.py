@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connector.tools.bench import fidelity
-from connector.tools.bench.report import LevelResult
+from connector.tools.bench.level_result import LevelResult
 from connector.tools.bench.stacks import (
     NOPROG_MARKER,
     BenchConfig,

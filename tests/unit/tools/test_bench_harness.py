@@ -104,7 +104,7 @@ def test_repeats_rotate_the_order_and_report_the_medians(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from connector.tools.bench import serve_bench, serve_run
-    from connector.tools.bench.report import LevelResult
+    from connector.tools.bench.level_result import LevelResult
 
     calls: list[tuple[str, str]] = []
     ttft = {"push": iter([60.0, 80.0, 70.0]), "vllm-push-noprog": iter([120.0, 100.0, 110.0])}

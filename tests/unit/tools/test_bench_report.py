@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from connector.tools.bench.level_result import LevelResult, median_results
 from connector.tools.bench.report import (
-    LevelResult,
     markdown_report,
-    median_results,
     round_tally,
     target_verdicts,
     tracing_verdicts,

@@ -4,7 +4,7 @@ TTFTs matched to router request spans by request id, the 2 % + 2 ms criterion, p
 from __future__ import annotations
 
 from connector.tools.bench import fidelity
-from connector.tools.bench.report import LevelResult, fidelity_lines, median_results
+from connector.tools.bench.level_result import LevelResult, fidelity_lines, median_results
 from telemetry.otlp_json import SpanEvent, SpanRecord, StatusCode, Trace
 from telemetry.schema import Attr, Event, Span
 
