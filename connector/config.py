@@ -112,6 +112,17 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a result is in, so it never delays one. 0 turns it off.
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = _s(SenderPolicy.tombstone_ns)
+    # Shutdown (vLLM's SIGTERM with --shutdown-timeout N > 0: it stops taking requests and
+    # steps until the ones in flight end). WRITEs already posted or ready run to their end;
+    # this long after the signal (at most half of N), every transfer still waiting (P: for
+    # D's registration or its own prefill; D: for its KV) ends with reason "shutdown", its
+    # peer told at once: D recomputes (or fails the leg, which the router retries) instead
+    # of waiting for its receive timeout, and P's blocks go back (connector/shutdown.py).
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 2.0
+    # At the connector's own shutdown (the engine's loop has ended): how long its transfer
+    # thread may take to finish WRITEs in flight and hear its peers' answers to the
+    # cancels and fails it sends for everything still waiting.
+    shutdown_drain_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 5.0
     # GPU only: how P moves KV into a D on its own node. "auto" picks per transfer between
     # NIXL descriptors and a copy kernel into D's KV mapped through CUDA IPC
     # (connector/core/xfer_path.py: the kernel moves scattered blocks near the contiguous

@@ -23,6 +23,7 @@ from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
 from connector.scheduler_side import SchedulerSide
+from connector.shutdown import ShutdownWatch
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
 from connector.vllm_compat import KVConnectorMetadata, KVConnectorRole
 
@@ -131,6 +132,9 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
                 refuse_untrusted=self._cfg.untrusted_leg == "refuse",
                 host=self._cfg.side_channel_host,
                 failures_as_blocks=not compat.HAS_TRANSFER_RESULTS,
+                shutdown=ShutdownWatch(
+                    self._cfg.shutdown_grace_s, getattr(vllm_config, "shutdown_timeout", 0) or 0
+                ),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -54,6 +54,7 @@ from connector.kv_params import (
     parse_prefill_leg,
 )
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
+from connector.shutdown import ShutdownWatch
 from telemetry.counts import Counts
 from telemetry.schema import Count, Recomputed
 
@@ -89,8 +90,10 @@ class SchedulerSide:
         refuse_untrusted: bool = False,
         host: str = "",
         failures_as_blocks: bool = False,
+        shutdown: ShutdownWatch | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self._shutdown = shutdown  # armed on the first step; its grace goes in each plan
         # vLLM 0.26: a failed load comes back as its block ids, not its request id.
         self._failures_as_blocks = failures_as_blocks
         self._tracker = BlockTracker()  # P's block ids where no cache manager is bound
@@ -254,6 +257,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """Called before vLLM advances num_computed_tokens for this step."""
+        if self._shutdown is not None and self._shutdown.arm():
+            self._step.shutdown_grace_s = self._shutdown.grace_left_s()
         for rid in scheduler_output.preempted_req_ids or ():
             rec = self._reqs.get(rid)
             if rec is None:

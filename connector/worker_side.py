@@ -71,6 +71,7 @@ class WorkerSide:
         # as block ids: failed_blocks).
         self._load_blocks: dict[str, int] = {}
         self._failed_blocks: set[int] = set()
+        self._closing = False  # the engine is shutting down: the thread was told
 
     # ------------------------------------------------------------------ start-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -255,6 +256,9 @@ class WorkerSide:
         thread = self.thread
         if thread is None:
             return
+        if plan.shutdown_grace_s is not None and not self._closing:
+            self._closing = True
+            thread.begin_shutdown(plan.shutdown_grace_s)
         for reg in plan.registrations:
             trace = reg.leg.trace()
             thread.submit(
@@ -339,6 +343,14 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         if self.thread is not None:
+            # Finish WRITEs in flight and tell every peer about what will not happen, before
+            # the transport goes (connector.transfer.thread.TransferThread.drain).
+            if not self.thread.drain(self.cfg.shutdown_drain_s):
+                logger.warning(
+                    "pushkv worker rank %d: transfers still in flight after %.1f s at shutdown",
+                    self.tp_rank,
+                    self.cfg.shutdown_drain_s,
+                )
             self.thread.stop()  # first: it merges its components' counters, transport's too
             logger.info(
                 "pushkv worker rank %d counters: %s", self.tp_rank, dict(self.thread.counters)

@@ -158,6 +158,16 @@ class AbortRequested:
     transfer_id: str
 
 
+# ---------------------------------------------------------------- either side
+@dataclass(frozen=True)
+class ShutdownDue:
+    """This engine is shutting down and waits no longer for this transfer. P: one that is
+    not writing yet ends now (its blocks back, D told ``shutdown``), a WRITE in flight runs
+    to its end. D: one still awaited is cancelled (P answers, then D reports it failed)."""
+
+    transfer_id: str
+
+
 # ---------------------------------------------------------------- actions (P side)
 @dataclass(frozen=True)
 class IssueWrite:
@@ -248,9 +258,10 @@ SendEvent = (
     | WriteFailed
     | Cancelled
     | HeartbeatSeen
+    | ShutdownDue
 )
 """What enters P's table (SenderTable.handle); its own deadlines come as state.DeadlinePassed."""
-RecvEvent = Expected | CompletionSeen | FailSeen | SendFailed | AbortRequested
+RecvEvent = Expected | CompletionSeen | FailSeen | SendFailed | AbortRequested | ShutdownDue
 """What D's transitions take; ReceiverTable.handle also takes PeerLost, which it fans out."""
 SendAction = IssueWrite | AbortWrite | FreeBlocks | SendFail | ResendCompletion
 RecvAction = SendRegister | SendCancel | SendHeartbeat | ReportReceived

@@ -55,6 +55,16 @@ class ReceiverTable(TransferTable[RecvRecord, RecvTableEvent, ev.RecvAction]):
             self._next_heartbeat_ns = now_ns + self.policy.heartbeat_interval_ns
         return out
 
+    def shut_down(self, now_ns: int) -> list[ev.RecvAction]:
+        """Shutting down: cancel every transfer still awaited (``ShutdownDue``); each is
+        reported failed once its sources answer (or can no longer write)."""
+        out: list[ev.RecvAction] = []
+        if not self.live[RecvState.AWAITING]:
+            return out
+        for tid in [t for t, r in self._records.items() if r.state is RecvState.AWAITING]:
+            out += self._apply_counted(tid, ev.ShutdownDue(tid), now_ns)
+        return out
+
     def _apply_counted(self, tid: str, event: RecvTableEvent, now_ns: int) -> list[ev.RecvAction]:
         rec = self._records.get(tid)
         was_abandoned = rec.abandoned if rec is not None else False

@@ -142,6 +142,10 @@ def _r_awaiting_abort(rec: RecvRecord, e: ev.AbortRequested, ctx: RecvCtx) -> li
     return _cancel(rec, FailReason.ABORTED, ctx)
 
 
+def _r_awaiting_shutdown(rec: RecvRecord, e: ev.ShutdownDue, ctx: RecvCtx) -> list[ev.RecvAction]:
+    return _cancel(rec, FailReason.SHUTDOWN, ctx)
+
+
 def _r_awaiting_deadline(rec: RecvRecord, e: DeadlinePassed, ctx: RecvCtx) -> list[ev.RecvAction]:
     return _cancel(rec, FailReason.DEADLINE, ctx)
 
@@ -175,11 +179,15 @@ RECV_TABLE: dict[tuple[RecvState, type], RecvTransition] = {
     (_R.AWAITING, ev.SendFailed): _r_awaiting_fail,
     (_R.AWAITING, ev.AbortRequested): _r_awaiting_abort,
     (_R.AWAITING, DeadlinePassed): _r_awaiting_deadline,
+    (_R.AWAITING, ev.ShutdownDue): _r_awaiting_shutdown,
     (_R.CANCELLING, ev.CompletionSeen): _r_completion,
     (_R.CANCELLING, ev.FailSeen): _r_cancelling_fail,
     (_R.CANCELLING, ev.SendFailed): _r_cancelling_fail,
     (_R.CANCELLING, ev.AbortRequested): _r_ignore,
     (_R.CANCELLING, DeadlinePassed): _r_cancelling_deadline,
+    (_R.CANCELLING, ev.ShutdownDue): _r_ignore,
+    (_R.RECEIVED, ev.ShutdownDue): _r_ignore,
+    (_R.FAILED, ev.ShutdownDue): _r_ignore,
     (_R.RECEIVED, ev.AbortRequested): _r_ignore,
     (_R.FAILED, ev.AbortRequested): _r_ignore,
     (_R.RECEIVED, ev.SendFailed): _r_terminal_send_failed,
@@ -212,7 +220,7 @@ def recv_transition(
     if rec is None:
         if isinstance(event, ev.Expected):
             return _new_expected(event, ctx)
-        if isinstance(event, (ev.SendFailed, ev.AbortRequested)):
+        if isinstance(event, (ev.SendFailed, ev.AbortRequested, ev.ShutdownDue)):
             return None, []  # about a transfer already forgotten: nothing is owed
         raise_out_of_turn(event, None)
     if isinstance(event, ev.Expected):

@@ -305,6 +305,12 @@ def _s_terminal_answer(
     return [ev.SendFail(rec.transfer_id, (e.d_addr,), rec.reason or FailReason.CANCELLED)]
 
 
+def _s_waiting_shutdown(rec: SendRecord, e: ev.ShutdownDue, ctx: SendCtx) -> list[ev.SendAction]:
+    # Shutting down: a transfer not writing yet never will; its blocks go back and every
+    # D rank that registered learns it at once (not at its receive deadline).
+    return _end(rec, SendState.FAILED, ctx, FailReason.SHUTDOWN)
+
+
 def _s_stale(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[ev.SendAction]:
     raise RemoteProtocolError(f"{type(e).__name__} for a transfer in no state to take it")
 
@@ -337,6 +343,9 @@ SEND_TABLE: dict[tuple[SendState, type], SendTransition] = {
     (_S.WRITING, ev.HeartbeatSeen): _s_ignore,
     (_S.WRITING, ev.Registered): _s_stale,
     (_S.WRITING, DeadlinePassed): _s_writing_deadline,
+    (_S.REGISTERED, ev.ShutdownDue): _s_waiting_shutdown,
+    (_S.PREFILLED, ev.ShutdownDue): _s_waiting_shutdown,
+    (_S.WRITING, ev.ShutdownDue): _s_ignore,  # runs to its end (or its own deadline)
     **{(t, ev.Registered): _s_terminal_registered for t in _SEND_TERMINAL},
     **{(t, ev.PrefillDone): _s_terminal_prefill for t in _SEND_TERMINAL if t is not _S.DONE},
     **{
@@ -347,6 +356,7 @@ SEND_TABLE: dict[tuple[SendState, type], SendTransition] = {
     **{(t, ev.Cancelled): _s_terminal_answer for t in _SEND_TERMINAL},
     **{(t, ev.HeartbeatSeen): _s_terminal_answer for t in _SEND_TERMINAL},
     **{(t, ev.SourceReclaimed): _s_ignore for t in _SEND_TERMINAL},
+    **{(t, ev.ShutdownDue): _s_ignore for t in _SEND_TERMINAL},
 }
 
 # What a first event makes of a transfer id never seen before (or forgotten).

@@ -65,6 +65,21 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
             )
         return out
 
+    def shut_down(self, now_ns: int) -> list[ev.SendAction]:
+        """Shutting down: every transfer not writing yet ends now (``ShutdownDue``); WRITEs
+        in flight run on. Called again for transfers that arrive later."""
+        out: list[ev.SendAction] = []
+        waiting = (SendState.REGISTERED, SendState.PREFILLED)
+        if not any(self.live[s] for s in waiting):
+            return out  # the common case while shutting down: one check per poll
+        for tid in [t for t, r in self._records.items() if r.state in waiting]:
+            out += self.handle(ev.ShutdownDue(tid), now_ns)
+        return out
+
+    def settled(self) -> bool:
+        """No transfer is waiting or writing: nothing left to finish or to hand back."""
+        return not any(self.live.values())
+
     def _held_after(
         self, tid: str, now_ns: int, actions: list[ev.SendAction]
     ) -> list[ev.SendAction]:

@@ -30,6 +30,7 @@ LOCAL_EVENTS = (
     ev.WriteFailed,
     ev.Expected,
     ev.AbortRequested,
+    ev.ShutdownDue,
 )
 
 

@@ -109,6 +109,11 @@ class Receiver:
         if nxt is not None and nxt <= now_ns:
             self._run(self.table.tick(now_ns), now_ns)
 
+    def shut_down(self, now_ns: int) -> None:
+        """Shutting down: cancel every transfer still awaited (reason ``shutdown``); each
+        is reported failed once its P ranks answer, so no WRITE lands after."""
+        self._run(self.table.shut_down(now_ns), now_ns)
+
     def busy(self) -> bool:
         return self.table.awaiting_network()
 

@@ -222,6 +222,11 @@ class Sender:
         if nxt is not None and nxt <= now_ns:
             self._run(self.table.tick(now_ns), now_ns)
 
+    def shut_down(self, now_ns: int) -> None:
+        """Shutting down: transfers not writing yet end now (blocks back, D told
+        ``shutdown``); WRITEs already posted or waiting for their KV run to their end."""
+        self._run(self.table.shut_down(now_ns), now_ns)
+
     def quiescent(self, transfer_ids: list[str]) -> bool:
         """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
         return not any(

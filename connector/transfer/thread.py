@@ -48,6 +48,15 @@ class _Reclaim:
     reason: m.FailReason
 
 
+@dataclass(frozen=True)
+class _Close:
+    """Shut down ``grace_ns`` from now (``begin_shutdown``, ``drain``); ``done`` is set once
+    nothing is left to finish or hand back."""
+
+    grace_ns: int
+    done: threading.Event | None = None
+
+
 def _name_os_thread(name: str) -> None:
     """Give the calling thread ``name`` in the kernel (``top -H``, ``/proc/*/task/*/comm``),
     so that its CPU shows apart from the engine's; Linux keeps the first 15 bytes. Threads
@@ -142,6 +151,8 @@ class TransferThread:
         self._results = threading.Event()  # set while _sent or _recvd holds something
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
+        self._closing_at: int | None = None  # from then on: shutting down (our clock)
+        self._drained: list[threading.Event] = []
         self.counters: Counts = Counts()
         self.metrics = metrics
         self._incoming = IncomingWrites() if bell is not None else None
@@ -174,6 +185,29 @@ class TransferThread:
         self._inbox.put((_Reclaim(list(transfer_ids), done, reason), None, None))
         self._wake.wake()
         return done.wait(timeout_s)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The engine is shutting down (vLLM drains its requests before it exits): WRITEs
+        posted or ready run to their end; ``grace_s`` from now, every transfer still waiting
+        (P: for D's registration or its prefill; D: for its KV) ends with reason
+        ``shutdown``, its peer told at once, and so does each one that comes later."""
+        self._inbox.put((_Close(max(0, int(grace_s * 1e9))), None, None))
+        self._wake.wake()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Before ``stop``: end every waiting transfer now (as ``begin_shutdown`` does),
+        and block until the WRITEs in flight have ended and every peer has answered D's
+        cancels, or ``timeout_s`` passed (False)."""
+        if not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._inbox.put((_Close(0, done), None, None))
+        self._wake.wake()
+        return done.wait(timeout_s)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing_at is not None
 
     def take_finished_sending(self) -> list[str]:
         with self._lock:
@@ -288,6 +322,7 @@ class TransferThread:
                 s.table.next_deadline_ns() if s is not None else None,
                 r.table.next_deadline_ns() if r is not None else None,
                 s.paths.due_ns() if s is not None and s.paths is not None else None,
+                self._closing_at,
             )
             if d is not None
         ]
@@ -341,6 +376,8 @@ class TransferThread:
             self.sender.poll(now)
         if self.receiver is not None:
             self.receiver.poll(now)
+        if self._closing_at is not None and now >= self._closing_at:
+            self._shut_down(now)
         if self._quiesce and self.sender is not None:
             still = []
             for tids, done in self._quiesce:
@@ -349,9 +386,43 @@ class TransferThread:
         self._publish()
         return active
 
+    def _shut_down(self, now: int) -> None:
+        """Each poll once shutting down: end what waits (including what arrived since);
+        wake ``drain`` once nothing is left in flight."""
+        s, r = self.sender, self.receiver
+        if s is not None:
+            s.shut_down(now)
+        if r is not None:
+            r.shut_down(now)
+        if self._drained and self._settled():
+            for done in self._drained:
+                done.set()
+            self._drained = []
+
+    def _settled(self) -> bool:
+        s, r = self.sender, self.receiver
+        return (
+            (s is None or (s.table.settled() and not s.writing()))
+            and (r is None or not r.busy())
+            and not self._peers.dialing
+        )
+
     def _dispatch_event(
         self, event: Any, ready: Callable[[], bool] | None, note: Any, now: int
     ) -> None:
+        if isinstance(event, _Close):
+            at = now + event.grace_ns
+            if self._closing_at is None:
+                logger.info(
+                    "Transfer thread %s shutting down in %.1f s: transfers still waiting "
+                    "then end with reason shutdown",
+                    self._thread.name,
+                    event.grace_ns / 1e9,
+                )
+            self._closing_at = at if self._closing_at is None else min(self._closing_at, at)
+            if event.done is not None:
+                self._drained.append(event.done)
+            return
         if isinstance(event, _Reclaim):
             if self.sender is None:
                 event.done.set()

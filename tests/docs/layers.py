@@ -35,6 +35,7 @@ _SCHEDULER_MAY = (
     "connector.metadata",
     "connector.kv_tensors",
     "connector.engine_spans",
+    "connector.shutdown",
     "connector.scheduler_side",
     "connector.plugin",
     "connector.stats",

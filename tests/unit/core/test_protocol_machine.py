@@ -80,6 +80,7 @@ class PushProtocol(RuleBasedStateMachine):
         self.reported: dict[tuple[int, str], ev.ReportReceived] = {}
         self.dead: set[int] = set()
         self.reclaimed: set[tuple[int, str]] = set()  # vLLM took these source blocks back
+        self.closing: dict[str, set[int]] = {"P": set(), "D": set()}  # ranks shutting down
         note(f"P tp={self.p_tp} D tp={self.d_tp} targets={self.targets}")
 
     # ------------------------------------------------------------- action plumbing
@@ -305,6 +306,32 @@ class PushProtocol(RuleBasedStateMachine):
             d, tid = data.draw(st.sampled_from(sorted(self.expected)))
             self._d_do(d, self.D[d].handle(ev.AbortRequested(tid), self.now))
 
+    @rule(data=st.data(), side=st.sampled_from(["P", "D"]))
+    def rank_shuts_down(self, data: st.DataObject, side: str) -> None:
+        """The engine's shutdown began (connector/shutdown.py): from now on each of the
+        rank's polls ends what still waits (TransferThread._shut_down)."""
+        n = self.p_tp if side == "P" else self.d_tp
+        rank = data.draw(st.sampled_from(range(n)))
+        if side == "P" and rank in self.dead:
+            return
+        self.closing[side].add(rank)
+        self._shut_down()
+
+    @precondition(lambda self: any(self.in_flight.values()))
+    @rule(data=st.data())
+    def writing_p_shuts_down(self, data: st.DataObject) -> None:
+        """As above, for a P rank with a WRITE in flight: the WRITE must run on."""
+        live = sorted({p for (p, _), ds in self.in_flight.items() if ds and p not in self.dead})
+        if live:
+            self.closing["P"].add(data.draw(st.sampled_from(live)))
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        for p in sorted(self.closing["P"] - self.dead):
+            self._p_do(p, self.P[p].shut_down(self.now))
+        for d in sorted(self.closing["D"]):
+            self._d_do(d, self.D[d].shut_down(self.now))
+
     # ------------------------------------------------------------- transport rules
     @precondition(lambda self: any(self.in_flight.values()))
     @rule(data=st.data())
@@ -384,6 +411,7 @@ class PushProtocol(RuleBasedStateMachine):
                 self._p_do(p, table.tick(self.now))
         for d, table in self.D.items():
             self._d_do(d, table.tick(self.now))
+        self._shut_down()
 
     # ------------------------------------------------------------- invariants
     @invariant()

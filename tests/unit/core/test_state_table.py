@@ -41,6 +41,7 @@ SEND_EVENTS = [
     ev.HeartbeatSeen("t0", d_addr(0)),
     ev.SourceReclaimed("t0"),
     ev.Cancelled("t0", 0, d_addr(0), FailReason.NOT_NEEDED),
+    ev.ShutdownDue("t0"),
     DeadlinePassed("t0"),
 ]
 
@@ -100,7 +101,14 @@ def test_every_send_event_on_an_unknown_transfer(event: object) -> None:
     except (LocalProtocolError, RemoteProtocolError):
         assert isinstance(
             event,
-            (ev.WriteDone, ev.WriteFailed, ev.HeartbeatSeen, DeadlinePassed, ev.SourceReclaimed),
+            (
+                ev.WriteDone,
+                ev.WriteFailed,
+                ev.HeartbeatSeen,
+                DeadlinePassed,
+                ev.SourceReclaimed,
+                ev.ShutdownDue,  # the tables shut down only the records they have
+            ),
         )
         return
     assert rec is not None
@@ -113,6 +121,7 @@ RECV_EVENTS = [
     ev.FailSeen("t0", 0, FailReason.LEASE_EXPIRED),
     ev.SendFailed("t0", 1, FailReason.PEER_LOST),
     ev.AbortRequested("t0"),
+    ev.ShutdownDue("t0"),
     DeadlinePassed("t0"),
     ev.Expected("t0", "req", (ev.Source(0, p_addr(0)),), ((1,),), 0, 16),
 ]
