@@ -316,6 +316,8 @@ class Metric(str, Enum):
     ROUTER_BACKEND_HEALTHY = "pushkv_router_backend_healthy"
     ROUTER_OUTSTANDING = "pushkv_router_backend_outstanding_legs"
     ROUTER_LOOP_LAG = "pushkv_router_loop_lag_seconds"
+    # drain (issue 31, connector/router/drain.py)
+    ROUTER_DRAINING = "pushkv_router_backend_draining"
 
 
 # The exemplar label of the router's latency histograms: the request's trace id (hex), which
@@ -393,4 +395,5 @@ METRICS: Final[dict[Metric, tuple[str, tuple[MetricLabel, ...], str]]] = {
     Metric.ROUTER_BACKEND_HEALTHY: ("gauge", (_L.ROLE, _L.BACKEND), "1 if healthy, else 0."),
     Metric.ROUTER_OUTSTANDING: ("gauge", (_L.ROLE, _L.BACKEND), "Legs in flight per backend."),
     Metric.ROUTER_LOOP_LAG: ("gauge", (), "Worst event-loop lag of the last second."),
+    Metric.ROUTER_DRAINING: ("gauge", (_L.ROLE, _L.BACKEND), "1 while drained (no new legs)."),
 }

@@ -78,11 +78,16 @@ class _StateCollector(Collector):
         outstanding = GaugeMetricFamily(
             Metric.ROUTER_OUTSTANDING.value, _help(Metric.ROUTER_OUTSTANDING), labels=names
         )
+        draining = GaugeMetricFamily(
+            Metric.ROUTER_DRAINING.value, _help(Metric.ROUTER_DRAINING), labels=names
+        )
         for b in state.backends.all:
             healthy.add_metric([b.role.value, b.url], float(b.load.health is Health.HEALTHY))
             outstanding.add_metric([b.role.value, b.url], b.load.outstanding)
+            draining.add_metric([b.role.value, b.url], float(b.load.draining))
         yield healthy
         yield outstanding
+        yield draining
         lag = GaugeMetricFamily(
             Metric.ROUTER_LOOP_LAG.value, _help(Metric.ROUTER_LOOP_LAG), labels=[]
         )

@@ -144,3 +144,19 @@ async def test_drain_deadline_cuts_a_stream_with_an_error_event(cluster: MakeClu
     assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
     await within(c.d[0].requests[0].disconnected.wait(), "D's leg to be closed")
     assert await within(c.state.drain.wait_idle(5.0), "nothing in flight")
+
+
+async def test_the_draining_gauge_follows_drain_and_undrain(cluster: MakeCluster) -> None:
+    from tests.unit.router.test_metrics_and_ids import scrape, value
+
+    c = await cluster(1, 2)
+    d0, d1 = (s.url for s in c.d_servers)
+    gauge = "pushkv_router_backend_draining"
+    m = await scrape(c)
+    assert [value(m, gauge, role="decode", backend=u) for u in (d0, d1)] == [0, 0]
+    assert (await c.client.post("/admin/backends/decode/0/drain")).status_code == 200
+    m = await scrape(c)
+    assert [value(m, gauge, role="decode", backend=u) for u in (d0, d1)] == [1, 0]
+    assert value(m, gauge, role="prefill", backend=c.p_servers[0].url) == 0
+    assert (await c.client.post("/admin/backends/decode/0/undrain")).status_code == 200
+    assert value(await scrape(c), gauge, role="decode", backend=d0) == 0
