@@ -152,6 +152,7 @@ class TransferThread:
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self._closing_at: int | None = None  # from then on: shutting down (our clock)
+        self._closed = False  # _closing_at has passed: each poll ends what waits
         self._drained: list[threading.Event] = []
         self.counters: Counts = Counts()
         self.metrics = metrics
@@ -322,7 +323,7 @@ class TransferThread:
                 s.table.next_deadline_ns() if s is not None else None,
                 r.table.next_deadline_ns() if r is not None else None,
                 s.paths.due_ns() if s is not None and s.paths is not None else None,
-                self._closing_at,
+                self._closing_at if self._closing_at is not None and not self._closed else None,
             )
             if d is not None
         ]
@@ -377,6 +378,7 @@ class TransferThread:
         if self.receiver is not None:
             self.receiver.poll(now)
         if self._closing_at is not None and now >= self._closing_at:
+            self._closed = True
             self._shut_down(now)
         if self._quiesce and self.sender is not None:
             still = []

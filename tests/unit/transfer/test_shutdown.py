@@ -22,7 +22,7 @@ from connector.core import messages as m
 from connector.core.sender_table import SenderTable
 from connector.core.state import SendState
 from connector.shutdown import ShutdownWatch
-from connector.transfer.thread import TransferThread
+from connector.transfer.thread import TransferThread, _Close
 from tests.unit.core.factories import register
 from tests.unit.test_endpoints import MS, Pair
 
@@ -235,3 +235,16 @@ def test_the_plan_carries_the_grace_once_signalled_and_the_worker_tells_its_thre
     for plan in plans:
         worker.bind(plan)
     assert len(fake.closing) == 1 and 0 < fake.closing[0] <= 2.0
+
+
+def test_the_thread_wakes_for_the_grace_and_does_not_spin_once_it_passed() -> None:
+    pair = Pair()
+    now = {"ns": 10**12}
+    thread = TransferThread(
+        pair.tp, pair.sender.peers, sender=pair.sender, clock=lambda: now["ns"]
+    )  # not started: its loop is driven by hand
+    thread._dispatch_event(_Close(200 * MS), None, None, now["ns"])
+    assert thread._until_due(0.5) == pytest.approx(0.2)  # wakes when the grace ends
+    now["ns"] += 300 * MS
+    thread._step()
+    assert thread.closing and thread._until_due(0.5) == 0.5  # an idle sleep, not a spin
