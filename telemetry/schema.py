@@ -316,7 +316,7 @@ class Metric(str, Enum):
     ROUTER_BACKEND_HEALTHY = "pushkv_router_backend_healthy"
     ROUTER_OUTSTANDING = "pushkv_router_backend_outstanding_legs"
     ROUTER_LOOP_LAG = "pushkv_router_loop_lag_seconds"
-    # drain (issue 31, connector/router/drain.py)
+    # drain (connector/router/drain.py)
     ROUTER_DRAINING = "pushkv_router_backend_draining"
 
 

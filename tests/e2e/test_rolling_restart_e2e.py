@@ -1,4 +1,4 @@
-"""A rolling restart under load loses no request (issue #31): 1 P, 2 D and the router on the
+"""A rolling restart under load loses no request: 1 P, 2 D and the router on the
 tiny model, clients sending all along; P is drained at the router and SIGTERMed at once
 (its legs and pushes still in flight), restarted and undrained; then the same for one D
 while the other serves.

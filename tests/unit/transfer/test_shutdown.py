@@ -1,4 +1,4 @@
-"""P and D shutting down (issue #31): WRITEs already posted or ready finish; every transfer
+"""P and D shutting down: WRITEs already posted or ready finish; every transfer
 still waiting ends with reason ``shutdown``, its peer told at once; no block is written
 after it was handed back, none is kept.
 
