@@ -12,7 +12,8 @@ The file, one backend per line (``#`` starts a comment)::
     decode  dns://pushkv-decode.default.svc.cluster.local:8200
 
 Discovery manages only the backends it added: those given by ``--prefill`` / ``--decode`` or
-through the admin API stay. A file that cannot be read or parsed, or a name that does not
+through the admin API stay (one it lists that the admin API removes comes back at the next
+round: the file wins). A file that cannot be read or parsed, or a name that does not
 resolve, changes nothing that round (a typo never empties the router). The last D is
 never removed.
 
@@ -161,6 +162,8 @@ class Discovery:
             return
         for role, urls in desired.items():
             managed = self.managed[role]
+            for url in [u for u, b in managed.items() if b.removed]:
+                del managed[url]  # removed through the admin API: back next round if listed
             for url in sorted(urls - managed.keys()):
                 if self.backends.find(role, url) is None:  # not one of the flags' or admin's
                     managed[url] = await self.backends.add(role, url)

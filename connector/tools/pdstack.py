@@ -178,10 +178,9 @@ class RouterProcess(ChildProcess):
             "-m",
             "connector.cli",
             "router",
-            "--prefill",
-            *_urls(self.prefill_url),
-            "--decode",
-            *_urls(self.decode_url),
+            # none of a role: a --members-file (in extra_args) lists them
+            *(["--prefill", *_urls(self.prefill_url)] if _urls(self.prefill_url) else []),
+            *(["--decode", *_urls(self.decode_url)] if _urls(self.decode_url) else []),
             "--host",
             self.host,
             "--port",

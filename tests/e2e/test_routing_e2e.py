@@ -6,8 +6,10 @@ NIXL over loopback) on the tiny model, one stack for the module.
   ``external_kv_transfer`` tokens drop to the suffix).
 - ``--policy engine-load`` (a second router on the same servers): with one D's engine busy with
   requests the router never sent, new requests go to the other D.
-- Live membership (a third router, started with P and one D): under load, a D added at run
-  time takes legs, and the first D removed (drained, then forgotten): no request fails.
+- Live membership (a third router, started with one D and no P): under load, a P added
+  through the admin API, a D through the members file, and the first D removed (drained,
+  then forgotten): no request fails.
+- ``n = 3``, ``best_of = 2`` and a list of 4 prompts (D alone) equal the single instance's.
 """
 
 from __future__ import annotations
@@ -97,12 +99,22 @@ def stack(tiny_model: Path, e2e_log_dir: Path) -> Iterator[HostStack]:
         s.stop()
 
 
+class _AnyHealth(RouterProcess):
+    """Ready once /health answers 200: "degraded" (no P yet) too."""
+
+    def ready(self, health: httpx.Response) -> bool:
+        return health.status_code == 200
+
+
 @contextlib.contextmanager
-def router(stack: HostStack, name: str, decodes: list[str], *args: str) -> Iterator[httpx.Client]:
-    """Another router on the same servers (its own policy or members); stopped on leaving."""
+def router(
+    stack: HostStack, name: str, decodes: list[str], *args: str, with_p: bool = True
+) -> Iterator[httpx.Client]:
+    """Another router on the same servers (its own policy or members); stopped on leaving.
+    ``with_p`` False: no --prefill (it serves through D alone until one is added)."""
     (port,) = distinct_free_ports(1)
-    r = RouterProcess(
-        stack.prefills[0].url,
+    r = (RouterProcess if with_p else _AnyHealth)(
+        [stack.prefills[0].url] if with_p else [],
         decodes,
         port,
         extra_args=["--health-timeout", "5", *args],
@@ -234,16 +246,26 @@ def test_engine_load_policy_moves_new_requests_off_a_busy_engine(stack: HostStac
     assert outcomes == ["ok"] * 4, outcomes
 
 
-def test_a_d_added_and_a_d_removed_under_load_fail_no_request(stack: HostStack) -> None:
+def test_p_and_d_added_and_a_d_removed_under_load_fail_no_request(
+    stack: HostStack, tmp_path: Path
+) -> None:
+    """The router starts with D0 only (D alone serves); under load from 3 clients a P is
+    added through the admin API, a D through the members file, and D0 removed (drained,
+    then forgotten) through the admin API: every request is answered 200."""
+    (p,) = (s.url for s in stack.prefills)
     first, second = (d.url for d in stack.decodes)
+    members = tmp_path / "members"
+    members.write_text("# nothing yet\n")
     stop = threading.Event()
     results: list[int | str] = []
     lock = threading.Lock()
+    args = ("--members-file", str(members), "--members-interval", "0.5")
 
-    with router(stack, "membership", [first], "--signals-interval", "0.5") as r:
+    with router(stack, "membership", [first], *args, with_p=False) as r:
+        assert r.get("/health").json()["status"] == "degraded"
 
         def client_loop(worker: int) -> None:
-            with _client(r.base_url.__str__()) as c:
+            with _client(str(r.base_url)) as c:
                 i = 0
                 while not stop.is_set():
                     body = greedy_body(random_prompt(48, seed=worker * 1000 + i), max_tokens=8)
@@ -255,15 +277,20 @@ def test_a_d_added_and_a_d_removed_under_load_fail_no_request(stack: HostStack) 
                         results.append(status)
                     i += 1
 
+        def prefill_legs() -> int:
+            return sum(b["dispatched"] for b in r.get("/router/stats").json()["prefill"])
+
         workers = [threading.Thread(target=client_loop, args=(w,)) for w in range(3)]
         for t in workers:
             t.start()
         try:
-            wait_until("load through the first D", lambda: len(results) >= 3)
-            added = r.post("/admin/backends/decode", json={"url": second})
+            wait_until("load through D0 alone", lambda: len(results) >= 3)
+            added = r.post("/admin/backends/prefill", json={"url": p})
             assert added.status_code == 201, added.text
-            assert added.json()["in_rotation"] is True, added.json()
-            wait_until("the added D taking legs", lambda: dispatched(r).get(second, 0) >= 2)
+            assert added.json()["in_rotation"] is True and added.json()["coords"], added.json()
+            wait_until("the added P taking legs", lambda: prefill_legs() >= 2)
+            members.write_text(f"decode {second}\n")  # the next discovery round adds it
+            wait_until("the file's D taking legs", lambda: dispatched(r).get(second, 0) >= 2)
             t0 = time.monotonic()
             removed = r.delete("/admin/backends/decode/0", params={"timeout": 30})
             assert removed.status_code == 200, removed.text
@@ -277,12 +304,14 @@ def test_a_d_added_and_a_d_removed_under_load_fail_no_request(stack: HostStack) 
                 # nothing reached the removed D after its removal (vLLM counts its own)
                 now = metric_sum(d0.get("/metrics").text, "vllm:request_success_total")
                 assert now == served, (served, now)
+            degraded = r.get("/router/stats").json()["requests"]["degraded"]
         finally:
             stop.set()
             for t in workers:
                 t.join(HTTP_TIMEOUT_S)
     assert results and all(s == 200 for s in results), [s for s in results if s != 200]
-    print(f"[routing] membership: {len(results)} requests, all 200")
+    assert 0 < degraded < len(results)  # D alone before the P, P and D after
+    print(f"[routing] membership: {len(results)} requests ({degraded} through D alone), all 200")
 
 
 def _per_choice(out: dict[str, Any]) -> list[dict[str, Any]]:
