@@ -54,8 +54,10 @@ CONNECTORS: dict[str, ConnectorSpec] = {
 
 PREFILL_ENGINE_ID, DECODE_ENGINE_ID = "prefill", "decode"
 # On a GPU host the KV is in VRAM: UCX needs its CUDA transports (vLLM's NIXL connectors,
-# and pushkv's direct path); still this machine only.
+# and pushkv's direct path); still this machine only. PUSHKV_GPU_UCX_TLS replaces the list
+# (scripts/gpu/README.md: the pull path's transports without tcp).
 GPU_UCX_TLS = "tcp,sm,self,cuda_copy,cuda_ipc"
+GPU_UCX_TLS_ENV = "PUSHKV_GPU_UCX_TLS"
 ROUTER_HEALTH_TIMEOUT_S = 5.0  # overridable: router_args come later and argparse keeps the last
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -326,7 +328,7 @@ class PdStack(StartStop):
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-            env["UCX_TLS"] = GPU_UCX_TLS
+            env["UCX_TLS"] = os.environ.get(GPU_UCX_TLS_ENV) or GPU_UCX_TLS
         if spec.nixl_side_channel_env:
             env |= {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

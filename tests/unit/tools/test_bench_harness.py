@@ -14,7 +14,7 @@ from bench import aggregate
 from connector.config import parse_config
 from connector.tools.bench.stacks import CONFIGS, make_stack
 from connector.tools.bench.vllm_bench import Workload, bench_command
-from connector.tools.pdstack import cpu_set
+from connector.tools.pdstack import GPU_UCX_TLS, GPU_UCX_TLS_ENV, cpu_set
 from connector.tools.stack import VllmServer
 
 
@@ -208,3 +208,17 @@ def test_module_path_override_reaches_both_servers(name: str, tmp_path: Path) ->
     plain = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "plain")
     assert plain.prefill.kv_transfer_config is not None
     assert "kv_connector_module_path" not in plain.prefill.kv_transfer_config
+
+
+def test_a_gpu_stack_gives_ucx_the_cuda_transports_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU host each server gets UCX's CUDA transports; PUSHKV_GPU_UCX_TLS replaces the
+    list (the GPU sweep's pull diagnosis: without tcp, UCX may not emulate VRAM reads over it)."""
+    monkeypatch.delenv(GPU_UCX_TLS_ENV, raising=False)
+    stack = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "a", gpus=("0", "0"))
+    assert stack.decode.env["UCX_TLS"] == GPU_UCX_TLS
+    monkeypatch.setenv(GPU_UCX_TLS_ENV, "sm,self,cuda_copy,cuda_ipc")
+    stack = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "b", gpus=("0", "0"))
+    assert stack.prefill.env["UCX_TLS"] == "sm,self,cuda_copy,cuda_ipc"
+    assert stack.decode.env["UCX_TLS"] == "sm,self,cuda_copy,cuda_ipc"
