@@ -4,15 +4,19 @@ against mock P and D servers."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
+from connector.router.app import create_app
 from connector.router.backends import Role
+from connector.router.chooser import Policy
 from connector.router.discovery import Entry, parse_members, url_of
 from tests.unit.router.conftest import MakeCluster, p_coords
 from tests.unit.router.mock_backend import MockBackend
-from tests.unit.router.serving import within
+from tests.unit.router.serving import InLoopServer, within
 from tests.unit.router.test_choice_and_modes import COMPLETION
 from tests.unit.router.test_membership import serving
 
@@ -110,3 +114,27 @@ async def test_an_unresolvable_name_changes_nothing(cluster: MakeCluster, tmp_pa
         await disc.round()
         assert len(disc.managed[Role.DECODE]) == 1
         assert not next(iter(disc.managed[Role.DECODE].values())).load.draining
+
+
+async def test_two_replicas_send_a_new_prefix_to_the_same_d(cluster: MakeCluster) -> None:
+    """Several routers behind one address: neither has seen the prefix, and each lists the
+    Ds in another order, yet both send it to the same D (rendezvous on its first block)."""
+    c = await cluster(1, 3, policy=Policy.PREFIX, prefix_block_chars=16)
+    cfg = c.state.config
+    other = create_app(
+        replace(cfg, decode_urls=cfg.decode_urls[::-1], prefill_overrides=())
+    )  # the same servers, listed backwards
+    server = await InLoopServer(other).start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url, trust_env=False) as b:
+            for n in range(6):
+                body = {**COMPLETION, "prompt": f"replica test {n}: " + "shared context " * 8}
+                assert (await c.client.post("/v1/completions", json=body)).status_code == 200
+                assert (await b.post("/v1/completions", json=body)).status_code == 200
+                holders = {
+                    d.name: sum(r.body["prompt"] == body["prompt"] for r in d.requests) for d in c.d
+                }
+                assert sorted(holders.values()) == [0, 0, 2], (n, holders)  # one D, both legs
+    finally:
+        await server.stop()
+    assert sum(1 for d in c.d if d.requests) >= 2  # the prefixes spread over the Ds
