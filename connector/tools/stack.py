@@ -64,6 +64,32 @@ def tail_lines(path: Path, n: int) -> str:
         return f"<log {path} unreadable: {exc}>"
 
 
+def first_traceback(path: Path, max_lines: int = 40) -> str:
+    """The log's first Python traceback, through its exception line ("" if none): a server
+    that dies in start-up often ends with a traceback of its own that says "see root cause
+    above", and on a busy box that cause is far above the log's tail."""
+    try:
+        with path.open("r", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return ""
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent" in line), None)
+    if start is None:
+        return ""
+    # The exception line is the first one after the frames that is not indented (a process
+    # prefix such as "(EngineCore pid=1) " counts as part of the line).
+    end = start + 1
+    while end < len(lines):
+        body = lines[end].split(") ", 1)[1] if lines[end].startswith("(") else lines[end]
+        end += 1
+        if body.strip() and not body.startswith((" ", "\t")):
+            break
+    picked = lines[start:end]
+    if len(picked) > max_lines:
+        picked = picked[:5] + ["...\n"] + picked[-(max_lines - 6) :]
+    return "".join(picked)
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -211,9 +237,11 @@ class ChildProcess:
             while True:
                 rc = self._proc.poll()
                 if rc is not None:
+                    first = first_traceback(self.log_path) if self.log_path else ""
                     raise ServerError(
                         f"{self.kind} on port {self.port} exited with code {rc} before it "
                         f"was healthy; last lines of {self.log_path}:\n{self.log_tail(40)}"
+                        + (f"\nits first traceback:\n{first}" if first else "")
                     )
                 try:
                     r = client.get(f"{self.url}/health")
