@@ -52,6 +52,12 @@ def kv_dtype_name(cache_dtype: str, tensor_dtype: Any) -> str:
     return str(tensor_dtype).removeprefix("torch.")
 
 
+def as_bhnc(t: Any) -> Any:
+    """A layer's KV view as [blocks, heads, tokens, content]: MLA's [blocks, tokens, latent]
+    is one head (a view; the addresses are the tensor's)."""
+    return t.unsqueeze(1) if t.dim() == 3 else t
+
+
 def layer_order(kv_caches: dict[str, Any]) -> list[str]:
     """Layer names in model order (``model.layers.10`` after ``model.layers.9``)."""
 
@@ -86,12 +92,13 @@ def describe_kv_caches(
     if not kv_caches:
         raise LayoutError("no KV cache tensors to register")
     names = layer_order(kv_caches)
-    first = kv_caches[names[0]]
+    first = as_bhnc(kv_caches[names[0]])
     cuda = first.device.type == "cuda"
     if first.dim() != 4 or first.stride(3) != 1:
         raise LayoutError(
             f"{names[0]}: KV cache of shape {tuple(first.shape)} strides "
-            f"{first.stride()} is not [blocks, heads, tokens, content] with contiguous content"
+            f"{first.stride()} is not [blocks, heads, tokens, content] (nor MLA's [blocks, "
+            "tokens, latent]) with contiguous content"
         )
     num_blocks, num_heads, block_size, content = (int(x) for x in first.shape)
     if num_heads != heads[1] - heads[0]:
@@ -102,14 +109,18 @@ def describe_kv_caches(
     order: Literal["HND", "NHD"] = "HND" if head_stride >= token_stride else "NHD"
     regions = []
     for i, name in enumerate(names):
-        t = kv_caches[name]
+        t = as_bhnc(kv_caches[name])
         if (
             t.shape != first.shape
             or t.stride() != first.stride()
             or t.dtype != first.dtype
             or t.device != first.device
         ):
-            raise LayoutError(f"{name}: KV cache differs from {names[0]}")
+            raise LayoutError(
+                f"{name}: KV cache {tuple(t.shape)} {t.dtype} differs from {names[0]}'s "
+                f"{tuple(first.shape)} {first.dtype}: pushkv does not push models whose "
+                "attention layers differ in KV shape (hybrid or per-layer geometry)"
+            )
         regions.append(
             Region(
                 layer=i,
@@ -149,7 +160,7 @@ def physical_order(kv_caches: dict[str, Any]) -> str:
     one page). L goes where the distance between two layers' bases falls among the first
     layer's strides. For the start-up log and the GPU checks (bench/gpu_serve_check.py)."""
     names = layer_order(kv_caches)
-    first = kv_caches[names[0]]
+    first = as_bhnc(kv_caches[names[0]])
     strides = {"B": first.stride(0), "H": first.stride(1), "N": first.stride(2)}
     if len(names) > 1:
         gap = abs(kv_caches[names[1]].data_ptr() - first.data_ptr()) // first.element_size()
@@ -166,7 +177,7 @@ def block_row_views(kv_caches: dict[str, Any]) -> list[Any]:
 
     out = []
     for name in layer_order(kv_caches):
-        t = kv_caches[name]
+        t = as_bhnc(kv_caches[name])
         inner = sorted(range(1, t.dim()), key=lambda d: -t.stride(d))  # physical order
         out.append(block_rows(t.permute(0, *inner)))
     return out

@@ -22,6 +22,7 @@ from connector.config import check_failure_policy, load_secret, parse_config
 from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
+from connector.model_support import check_kv_cache_groups, kv_heads_of
 from connector.scheduler_side import SchedulerSide
 from connector.shutdown import ShutdownWatch
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
@@ -121,6 +122,10 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
         self._recompute = ktc.kv_load_failure_policy == "recompute"
         check_failure_policy(self._cfg, ktc.kv_load_failure_policy, ktc.is_kv_consumer)
         self._worker: Any = None
+        # A model feature pushkv cannot push stops the engine here, named (vLLM 0.26 passes
+        # no kv_cache_config: describe_kv_caches refuses layers that differ instead).
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        check_kv_cache_groups(groups)
         if role == KVConnectorRole.SCHEDULER:
             trust = LegTrust(load_secret(self._cfg), frozenset(self._cfg.trusted_prefill))
             _log_security(trust, ktc.is_kv_consumer)
@@ -141,7 +146,6 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
 
             from connector.worker_side import WorkerSide
 
-            groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
             group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
             self._worker = WorkerSide(
                 self._cfg,
@@ -150,7 +154,7 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
                 ktc.is_kv_consumer,
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                num_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                num_kv_heads=kv_heads_of(vllm_config.model_config),
                 logical_block_size=vllm_config.cache_config.block_size,
                 group_of=group_of,
                 cache_dtype=str(vllm_config.cache_config.cache_dtype),
@@ -179,11 +183,12 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         # GPU: block-outermost, one page per block across all layers (merged runs); CPU
         # attention takes only [blocks, heads, tokens, K|V] per layer. connector/kv_tensors.py.
+        # MLA: no wish; its [blocks, tokens, latent] per layer has no heads to order.
+        compat.announce()  # vLLM asks this early, in the API server too
         model = getattr(vllm_config, "model_config", None)
         if model is not None and model.use_mla:
-            raise NotImplementedError("pushkv does not support MLA models yet")
+            return None
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-        compat.announce()  # vLLM asks this early, in the API server too
         return preferred_layout(str(device), compat.NAMED_LAYOUTS)
 
     # ================================================================ scheduler role

@@ -154,8 +154,9 @@ class WorkerSide:
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info(
-            "pushkv worker %s: %d regions, %d blocks of %d tokens, KV %s %s in %s, listening "
-            "on %s:%d, " + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
+            "pushkv worker %s: %d regions, %d blocks of %d tokens, KV %s %s in %s (heads "
+            "[%d, %d) of %d B per token), listening on %s:%d, "
+            + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
             name,
             len(layout.regions),
             layout.num_blocks,
@@ -163,6 +164,8 @@ class WorkerSide:
             layout.dtype,
             physical_order(kv_caches),
             layout.mem_type,
+            *layout.heads,
+            layout.token_bytes,
             host,
             port,
         )

@@ -3,7 +3,7 @@
 Over 400 lines, one job: ruff format puts the tokenizer corpus's word lists one per line.
 
 Owns: the tiny models' specs (config, tokenizer, seeded weights), their on-disk cache and the
-``python -m connector.tools.tinymodel`` CLI. Two models, by name (``MODELS``): ``tiny`` (1 KiB
+``python -m connector.tools.tinymodel`` CLI. Models by name (``MODELS``): ``tiny`` (1 KiB
 of KV per token) and ``tiny-kv``, the same kind of small compute with a real model's KV geometry
 (8 layers, 8 KV heads of 128: 32 KiB per token in bf16, as Llama-8B's; a 2k-token prompt is 64
 MiB), so that a CPU benchmark moves as many bytes per token as a real deployment. The weights
@@ -12,7 +12,8 @@ prompt, which is what the end-to-end KV-equality tests need (vLLM's ``--load-for
 gives near-constant weights whose output depends on the last token only, so equal outputs would
 prove nothing about the KV).
 
-Must not import vLLM, torch, transformers or anything of the project: it runs in CI setup and
+Must not import vLLM, torch, transformers or anything of the project but tinyfamilies.py (the
+non-Llama configs and weight names: ``tiny-mla``, MLA + MoE): it runs in CI setup and
 in the test process. Needs only numpy and ``tokenizers``; safetensors is written by hand.
 """
 
@@ -30,6 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from connector.tools.tinyfamilies import (
+    ARCH_MLA,
+    deepseek_config,
+    deepseek_weight_specs,
+    is_mla,
+    mla_latent_width,
+)
 
 # Bump when anything below changes what is written: the cache key includes it.
 FORMAT_VERSION = 1
@@ -70,12 +79,28 @@ ARCH_KV: dict[str, Any] = {
     "head_dim": 128,
     "max_position_embeddings": 4096,
 }
-MODELS: dict[str, dict[str, Any]] = {"tiny": ARCH, "tiny-kv": ARCH_KV}
+# tiny-swa: Gemma-3/Mistral-style local+global layers (vLLM's Llama reads ``layer_types``):
+# a 32-token window on layers 0 and 2, full attention on 1 and 3.
+ARCH_SWA: dict[str, Any] = {
+    **ARCH,
+    "num_hidden_layers": 4,
+    "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": ARCH,
+    "tiny-kv": ARCH_KV,
+    "tiny-mla": ARCH_MLA,  # DeepSeek-V2-style MLA + MoE (tinyfamilies.py)
+    "tiny-swa": ARCH_SWA,
+}
 DEFAULT_MODEL = "tiny"
 
 
 def kv_bytes_per_token(arch: dict[str, Any], dtype_bytes: int = 2) -> int:
-    """K and V of every layer for one token (bf16: 2 bytes, what the servers run)."""
+    """K and V of every layer for one token (bf16: 2 bytes, what the servers run); an MLA
+    model's one latent per layer."""
+    if is_mla(arch):
+        return arch["num_hidden_layers"] * mla_latent_width(arch) * dtype_bytes
     return (
         2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * arch["head_dim"] * dtype_bytes
     )
@@ -104,6 +129,9 @@ _CORPUS_SEED = 1234  # the tokenizer does not depend on the weight seed
 
 
 def _config(arch: dict[str, Any], bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+    if is_mla(arch):
+        ids = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+        return deepseek_config(arch, ids, VOCAB_SIZE)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -391,6 +419,8 @@ def _train_tokenizer() -> Any:
 def weight_specs(arch: dict[str, Any]) -> list[tuple[str, tuple[int, ...], float | None, int]]:
     """Every weight in HF Llama naming, in the order drawn: (name, shape, scale, fan_in);
     scale None is a norm's ones, else the std is scale / sqrt(fan_in) (``SCALES``)."""
+    if is_mla(arch):
+        return deepseek_weight_specs(arch, SCALES, VOCAB_SIZE)
     h, ffn = arch["hidden_size"], arch["intermediate_size"]
     q_out = arch["num_attention_heads"] * arch["head_dim"]
     kv_out = arch["num_key_value_heads"] * arch["head_dim"]
@@ -476,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         choices=list(MODELS),
         default=DEFAULT_MODEL,
-        help="tiny: 1 KiB of KV per token; tiny-kv: 32 KiB, a real model's KV geometry",
+        help="tiny: 1 KiB of KV per token; tiny-kv: 32 KiB, a real model's KV geometry; "
+        "tiny-mla: DeepSeek-V2-style MLA + MoE; tiny-swa: sliding-window + full layers",
     )
     args = parser.parse_args(argv)
     print(make_tiny_model(args.root, seed=args.seed, name=args.model))

@@ -34,6 +34,7 @@ _SCHEDULER_MAY = (
     "connector.kv_params",
     "connector.metadata",
     "connector.kv_tensors",
+    "connector.model_support",
     "connector.engine_spans",
     "connector.shutdown",
     "connector.scheduler_side",

@@ -95,13 +95,21 @@ def _warm_up(client: httpx.Client, **extra: object) -> None:
 
 
 @contextlib.contextmanager
-def running_pd(model: Path, run_dir: Path, server_args: Sequence[str] = ()) -> Iterator[Pd]:
-    """P + D (PushConnector) + router on ``model``, warmed up; stopped on leaving.
-    ``server_args`` go to both vLLM command lines (e.g. ``--kv-cache-dtype fp8``)."""
+def running_pd(
+    model: Path,
+    run_dir: Path,
+    server_args: Sequence[str] = (),
+    connector_name: str = "PushConnector",
+) -> Iterator[Pd]:
+    """P + D (PushConnector, or another of pdstack's ``CONNECTORS``) + router on ``model``,
+    warmed up; stopped on leaving. ``server_args`` go to both vLLM command lines (e.g.
+    ``--kv-cache-dtype fp8``)."""
+    push = connector_name == "PushConnector"
     stack = PdStack(
         model,
         run_dir,
-        decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S},
+        connector_name=connector_name,
+        decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S} if push else {},
         server_args=server_args,
     )
     try:

@@ -141,3 +141,31 @@ def test_tiny_kv_has_a_real_models_kv_geometry(model_dir: Path) -> None:
 def test_unknown_model_name_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tiny-kv"):
         make_tiny_model(tmp_path, name="huge")
+
+
+def test_tiny_mla_is_a_deepseek_v2_with_mla_and_moe_layers(model_dir: Path) -> None:
+    mla = make_tiny_model(model_dir.parent, name="tiny-mla")
+    cfg = json.loads((mla / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v2"
+    # vLLM's CPU MLA decode kernel takes only DeepSeek's latent of 512 + 64.
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
+    assert tinymodel.kv_bytes_per_token(cfg) == 3 * 576 * 2  # one latent per layer, bf16
+    safetensors = pytest.importorskip("safetensors")
+    with safetensors.safe_open(str(mla / "model.safetensors"), framework="numpy") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.gate_proj.weight" in keys  # layer 0 dense, the others MoE
+    assert {
+        "model.layers.2.mlp.gate.weight",
+        "model.layers.2.mlp.experts.3.down_proj.weight",
+    } <= keys
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in keys
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in keys
+    assert _hashes(mla)["tokenizer.json"] == _hashes(model_dir)["tokenizer.json"]
+
+
+def test_tiny_swa_mixes_sliding_window_and_full_layers(model_dir: Path) -> None:
+    cfg = json.loads(
+        (make_tiny_model(model_dir.parent, name="tiny-swa") / "config.json").read_text()
+    )
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["sliding_window"] == 32
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2

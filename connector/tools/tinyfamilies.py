@@ -1,0 +1,122 @@
+"""The tiny models that are not plain Llama: a DeepSeek-V2-style MLA + MoE model (``tiny-mla``).
+
+Owns: its config and weight names (HF DeepSeek-V2 naming, which vLLM's
+``DeepseekV2ForCausalLM`` loads). ``connector.tools.tinymodel`` owns the tokenizer, the cache
+and the writing, and calls these for an arch whose ``model_type`` is ``deepseek_v2``. (The
+sliding-window model ``tiny-swa`` is a Llama with ``layer_types``: no code of its own.)
+
+Geometry: vLLM's CPU MLA decode kernel compiles only for a latent of 576 (kv_lora_rank 512 +
+qk_rope_head_dim 64) and blocks of 16 tokens (vllm/v1/attention/backends/mla/cpu_mla.py), so
+the latent is DeepSeek-V3's real one (1152 bytes per token and layer in bf16) while the rest
+stays small. Layer 0 is dense, the others MoE (4 routed experts, 2 per token, 1 shared).
+
+Pure: numpy-free config dicts and weight specs; imports nothing of vLLM or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCH_MLA: dict[str, Any] = {
+    "model_type": "deepseek_v2",
+    "num_hidden_layers": 3,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+WeightSpec = tuple[str, tuple[int, ...], float | None, int]
+
+
+def is_mla(arch: dict[str, Any]) -> bool:
+    return arch.get("model_type") == "deepseek_v2"
+
+
+def mla_latent_width(arch: dict[str, Any]) -> int:
+    """Elements of one token's latent KV per layer (one "head", the same on every TP rank)."""
+    return int(arch["kv_lora_rank"] + arch["qk_rope_head_dim"])
+
+
+def deepseek_config(arch: dict[str, Any], ids: dict[str, int], vocab: int) -> dict[str, Any]:
+    return {
+        **arch,
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": arch["rope_theta"]},
+        "rope_scaling": None,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "routed_scaling_factor": 1.0,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+        **ids,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "use_cache": True,
+    }
+
+
+def deepseek_weight_specs(
+    arch: dict[str, Any], scales: dict[str, float], vocab: int
+) -> list[WeightSpec]:
+    """Every weight in HF DeepSeek-V2 naming, in the order drawn (as ``tinymodel.weight_specs``):
+    q and the latent's up-projection get the Llama model's q/k scales, so attention is as
+    selective; the router and experts the MLP's."""
+    h, heads = arch["hidden_size"], arch["num_attention_heads"]
+    lora, rope = arch["kv_lora_rank"], arch["qk_rope_head_dim"]
+    nope, vdim = arch["qk_nope_head_dim"], arch["v_head_dim"]
+    specs: list[WeightSpec] = [("model.embed_tokens.weight", (vocab, h), scales["embed"], 1)]
+    for i in range(arch["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        specs += [
+            (p + "input_layernorm.weight", (h,), None, 1),
+            (a + "q_proj.weight", (heads * (nope + rope), h), scales["q"], h),
+            (a + "kv_a_proj_with_mqa.weight", (lora + rope, h), scales["k"], h),
+            (a + "kv_a_layernorm.weight", (lora,), None, 1),
+            (a + "kv_b_proj.weight", (heads * (nope + vdim), lora), scales["k"], lora),
+            (a + "o_proj.weight", (h, heads * vdim), scales["o"], heads * vdim),
+            (p + "post_attention_layernorm.weight", (h,), None, 1),
+        ]
+        if i < arch["first_k_dense_replace"]:
+            specs += _mlp(p + "mlp.", h, arch["intermediate_size"], scales)
+            continue
+        ffn = arch["moe_intermediate_size"]
+        specs.append((p + "mlp.gate.weight", (arch["n_routed_experts"], h), scales["gate"], h))
+        for e in range(arch["n_routed_experts"]):
+            specs += _mlp(f"{p}mlp.experts.{e}.", h, ffn, scales)
+        specs += _mlp(p + "mlp.shared_experts.", h, ffn * arch["n_shared_experts"], scales)
+    specs += [
+        ("model.norm.weight", (h,), None, 1),
+        ("lm_head.weight", (vocab, h), scales["lm_head"], h),
+    ]
+    return specs
+
+
+def _mlp(p: str, h: int, ffn: int, scales: dict[str, float]) -> list[WeightSpec]:
+    return [
+        (p + "gate_proj.weight", (ffn, h), scales["gate"], h),
+        (p + "up_proj.weight", (ffn, h), scales["up"], h),
+        (p + "down_proj.weight", (h, ffn), scales["down"], ffn),
+    ]
