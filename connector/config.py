@@ -38,6 +38,9 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # D: the blocks of such a transfer that D aborted are filled with a pattern when D
     # frees them, and checked until no WRITE may land any more (D's own bound).
     check_freed_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # D: one byte of such a transfer's KV flipped once it landed, before D reads its `done`
+    # (with kv_checksum_every, D must fail the load: checksum_mismatch). KV in DRAM only.
+    flip_kv_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     raise_hook: str = ""  # a scheduler hook of PushConnector that raises...
     raise_hook_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # ...for these requests
 
@@ -149,6 +152,11 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Transfer metrics for vLLM's /metrics (connector/stats.py, connector/transfer/metrics.py).
     # False: nothing is recorded or reported (measures their cost: ``pushkv bench``).
     metrics: bool = True
+    # KV integrity (docs/operations.md#kv-integrity): P sends a CRC-32 of the KV it pushes
+    # with one transfer in this many (1: every one; 0: off); D, with it above 0, checks
+    # each digest it gets and fails a load whose blocks differ (checksum_mismatch): vLLM's
+    # kv_load_failure_policy then recomputes or fails the request. KV in DRAM only for now.
+    kv_checksum_every: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __repr__(self) -> str:  # never print an inline secret in a log line
         fields = msgspec.structs.asdict(self)

@@ -129,6 +129,7 @@ class WorkerSide:
                 spans=spans,
                 paths=paths,
                 guard=guard,
+                checksum_every=self.cfg.kv_checksum_every,
             )
         if self.is_consumer:
             receiver = Receiver(
@@ -139,6 +140,7 @@ class WorkerSide:
                 spans=spans,
                 offer=offer,
                 guard=guard,
+                verify_checksums=self.cfg.kv_checksum_every > 0,
             )
         self.thread = TransferThread(
             self._transport,

@@ -13,6 +13,7 @@ not in the wheel: ``connector.worker_side`` imports this module only when ``_fau
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import numpy as np
 
 from connector.config import Faults, PushkvConfig
 from connector.core import messages as m
+from connector.core.digest_ranges import dest_runs
 from connector.core.errors import RemoteProtocolError, TransportError
 from connector.engine_spans import engine_tracer
 from connector.transport.base import WriteHandle, validate_write_descs
@@ -67,8 +69,11 @@ class FaultyTransport:
         faults: Faults,
         freed: FreedCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
+        layout: Any = None,
     ) -> None:
         self._inner, self._faults, self.freed, self._clock = inner, faults, freed, clock
+        self._layout = layout  # D's KVLayout (flip_kv_tokens)
+        self._flip: dict[str, m.Register] = {}  # D: registrations whose KV gets a byte flipped
         self._fail_write: set[str] = set()  # P: transfer ids whose WRITE post fails
         self._drop_done: set[str] = set()  # D: transfer ids whose first `done` is lost
         self._hold: set[str] = set()  # P: transfer ids whose WRITE is to be held
@@ -83,11 +88,18 @@ class FaultyTransport:
         logger.warning("pushkv test fault injected: %s (transfer %s)", kind, tid)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        if self._faults.drop_completion_tokens or self.freed is not None:
+        if (
+            self._faults.drop_completion_tokens
+            or self._faults.flip_kv_tokens
+            or self.freed is not None
+        ):
             sent = _decode(msg)
             tokens = self._faults.drop_completion_tokens
             if isinstance(sent, m.Register) and tokens and sent.num_tokens == tokens:
                 self._drop_done.add(sent.transfer_id)
+            flip = self._faults.flip_kv_tokens
+            if isinstance(sent, m.Register) and flip and sent.num_tokens == flip:
+                self._flip[sent.transfer_id] = sent
             if self.freed is not None and sent is not None:
                 self.freed.sent(sent)
         self._inner.send_notif(peer, msg)
@@ -104,12 +116,29 @@ class FaultyTransport:
                 self._hold.add(msg.transfer_id)
             if isinstance(msg, m.Cancel) and msg.transfer_id in self._held:
                 self._held[msg.transfer_id] = True
+            if isinstance(msg, m.Completion) and msg.transfer_id in self._flip:
+                self._flip_byte(self._flip.pop(msg.transfer_id), msg)
             if isinstance(msg, m.Completion) and msg.transfer_id in self._drop_done:
                 self._drop_done.discard(msg.transfer_id)  # only the first: a resend gets in
                 self._injected("drop_completion", msg.transfer_id)
                 continue
             out.append((agent, frame))
         return out
+
+    def _flip_byte(self, reg: m.Register, done: m.Completion) -> None:
+        """Corrupt the first byte this P rank wrote into our blocks (its bytes have landed:
+        the WRITE's `done` comes after them)."""
+        lay = self._layout
+        if lay is None or lay.mem_type != "DRAM":
+            return
+        heads = done.digest.heads if done.digest is not None else lay.heads
+        addr, _ = dest_runs(
+            lay, reg.block_ids, first_token=reg.first_token, num_tokens=reg.num_tokens, heads=heads
+        )
+        if addr.size:
+            byte = (ctypes.c_ubyte * 1).from_address(int(addr[0]))
+            byte[0] ^= 0xFF
+            self._injected("flip_kv", reg.transfer_id)
 
     def write(
         self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes, **mem: str
@@ -182,4 +211,4 @@ def wrap_transport(
             tracer=engine_tracer(engine_id, producer=False),
             engine_id=engine_id,
         )
-    return FaultyTransport(transport, faults, freed), freed
+    return FaultyTransport(transport, faults, freed, layout=layout), freed

@@ -154,6 +154,9 @@ class Attr(str, Enum):
     INPUT_TOKENS = "gen_ai.usage.input_tokens"
     OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     ERROR_TYPE = "error.type"
+    # KV integrity (kv_checksum_every): D's verdict on P's digests, on `await_kv`:
+    # "ok" | "mismatch" | "skipped" (connector/transfer/integrity.py)
+    KV_CHECK = "pushkv.kv_check"
 
 
 class Outcome(str, Enum):
@@ -237,6 +240,10 @@ class Count(str, Enum):
     FREED_FILLED = "freed_filled"
     FREED_INTACT = "freed_intact"
     LATE_WRITES = "late_writes"
+    # KV integrity (kv_checksum_every, connector/transfer/integrity.py)
+    KV_DIGESTS = "kv_digests"  # P: a WRITE's completion carries a digest of its KV
+    KV_DIGESTS_SKIPPED = "kv_digests_skipped"  # P: sampled, but its KV is not in DRAM
+    KV_CHECK = "kv_check_"  # D: a completion's digest checked, by verdict (ok, mismatch...)
 
 
 class Recomputed(str, Enum):

@@ -66,6 +66,7 @@ class FailReason(str, enum.Enum):
     ABORTED = "aborted"
     NOT_NEEDED = "not_needed"
     SHUTDOWN = "shutdown"
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # D: its blocks differ from P's digest
 
 
 class TraceContext(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,6 +109,17 @@ class Register(_Msg, tag="register", frozen=True):
     write_timeout_ms: TtlMs | None = None
 
 
+class KvDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A checksum of what one P rank wrote into one D rank (``kv_checksum_every``): the
+    bytes of D's blocks it fills with ``heads``, in D's address order
+    (``connector.core.digest_ranges``)."""
+
+    algo: Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
+    value: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec: int64
+    nbytes: Count
+    heads: tuple[Count, Count]
+
+
 class Completion(_Msg, tag="done", frozen=True):
     """P→D, as the WRITE's own notification: this P rank's bytes have landed."""
 
@@ -115,6 +127,9 @@ class Completion(_Msg, tag="done", frozen=True):
     p_tp_size: TpSize
     bytes_total: Count = 0
     descriptors: Count = 0
+    # Only where P checksums this transfer; left out of the frame otherwise (``encode``),
+    # so a D that predates it still reads every completion P sends with checks off.
+    digest: KvDigest | None = None
 
 
 class Fail(_Msg, tag="fail", frozen=True):
@@ -179,7 +194,12 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 def encode(msg: Message, key: bytes | None = None, stamp: auth.Stamp | None = None) -> bytes:
     """Frame a message for the wire; with a ``key``, sealed (``core/auth.py``) with ``stamp``."""
-    frame = MAGIC + _encoder.encode(msg)
+    if isinstance(msg, Completion) and msg.digest is None:
+        body = msgspec.to_builtins(msg)
+        del body["digest"]
+        frame = MAGIC + _encoder.encode(body)
+    else:
+        frame = MAGIC + _encoder.encode(msg)
     if key is None:
         return frame
     if stamp is None:

@@ -22,6 +22,7 @@ from connector.core.layout import KVLayout
 from connector.core.receiver_table import ReceiverTable
 from connector.core.state import ReceiverPolicy
 from connector.transfer.guard import Guard
+from connector.transfer.integrity import Check, verify
 from connector.transfer.peers import NotSent, Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
@@ -55,9 +56,13 @@ class Receiver:
         spans: Any = NO_SPANS,
         offer: m.IpcOffer | None = None,
         guard: Guard | None = None,
+        verify_checksums: bool = False,
     ) -> None:
         """``offer``: D's KV for mapping (GPU, ``connector.transfer.gpu.paths.make_offer``),
-        sent to each P rank before the first registration; P may ignore it."""
+        sent to each P rank before the first registration; P may ignore it.
+        ``verify_checksums``: check the digest a completion carries against D's blocks; a
+        mismatch fails the load (``checksum_mismatch``). Off: digests are ignored."""
+        self._verify = verify_checksums
         layout.validate()
         self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._clock = clock
@@ -100,9 +105,25 @@ class Receiver:
             return
         if isinstance(msg, m.Completion):
             event: ev.RecvEvent = ev.CompletionSeen(msg.transfer_id, msg.p_rank)
+            if self._verify and exp is not None and self._check(exp, msg) is Check.MISMATCH:
+                event = ev.FailSeen(msg.transfer_id, msg.p_rank, m.FailReason.CHECKSUM_MISMATCH)
         else:
             event = ev.FailSeen(msg.transfer_id, msg.p_rank, msg.reason)
         self._run(self.table.handle(event, now_ns), now_ns)
+
+    def _check(self, exp: ev.Expected, msg: m.Completion) -> Check:
+        """Verify a completion's digest against our blocks (the WRITE has landed)."""
+        check = verify(self.layout, exp, msg.digest)
+        self.counters.add(Count.KV_CHECK, check.value)
+        self.spans.kv_checked(msg.transfer_id, check.value)
+        if check is Check.MISMATCH:
+            logger.error(
+                "Transfer %s: the KV from P rank %d does not match its checksum; the load "
+                "fails (checksum_mismatch)",
+                msg.transfer_id,
+                msg.p_rank,
+            )
+        return check
 
     def poll(self, now_ns: int) -> None:
         nxt = self.table.next_deadline_ns()

@@ -28,6 +28,7 @@ from connector.core.state import SenderPolicy
 from connector.core.xfer_path import PathChoice, XferPath
 from connector.transfer.doorbell import DONE, WRITE, write_key
 from connector.transfer.guard import Guard
+from connector.transfer.integrity import sampled, source_digest
 from connector.transfer.paths import Paths, PathWrite
 from connector.transfer.peers import Peers
 from connector.transfer.spans import NO_SPANS, PrefillNote
@@ -113,8 +114,12 @@ class Sender:
         spans: Any = NO_SPANS,
         paths: Paths | None = None,
         guard: Guard | None = None,
+        checksum_every: int = 0,
     ) -> None:
-        """``paths``: the path driver (GPU); None sends every transfer direct."""
+        """``paths``: the path driver (GPU); None sends every transfer direct.
+        ``checksum_every``: send a digest of the KV with one transfer in this many (0: none;
+        ``connector.transfer.integrity``)."""
+        self._checksum_every = checksum_every
         layout.validate()
         self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._t, self.me, self.layout, self.topology, self.peers = (
@@ -317,7 +322,9 @@ class Sender:
             del self._valid[next(iter(self._valid))]
         self._valid[layout] = None
 
-    def _completion(self, tid: str, nbytes: int, descs: int) -> bytes:
+    def _completion(
+        self, tid: str, nbytes: int, descs: int, digest: m.KvDigest | None = None
+    ) -> bytes:
         return self._codec.encode(
             m.Completion(
                 transfer_id=tid,
@@ -325,8 +332,18 @@ class Sender:
                 p_tp_size=self.me.tp_size,
                 bytes_total=nbytes,
                 descriptors=descs,
+                digest=digest,
             )
         )
+
+    def _digest(self, tid: str, pieces: Pieces, heads: HeadRange) -> m.KvDigest | None:
+        """The KV's digest for D to check, where this transfer is sampled (before the WRITE
+        is posted: the digest travels in its own notification)."""
+        if not sampled(tid, self._checksum_every) or pieces.count == 0:
+            return None
+        digest = source_digest(self.layout, pieces, heads)
+        self.counters.add(Count.KV_DIGESTS if digest is not None else Count.KV_DIGESTS_SKIPPED)
+        return digest
 
     def _count_send_failure(self, exc: TransportError) -> None:
         self.counters.add(Count.SEND_FAILED)
@@ -422,7 +439,10 @@ class Sender:
                 # the WRITE deadline
                 self._note_failure(w, m.FailReason.POST_ERROR, TransportError(str(exc)))
             return
-        notif = self._completion(w.report.transfer_id, pieces.bytes_total, pieces.count)
+        tid = w.report.transfer_id
+        notif = self._completion(
+            tid, pieces.bytes_total, pieces.count, self._digest(tid, pieces, heads)
+        )
         try:
             if pieces.count == 0:  # D already holds every token: nothing to move, say so
                 self._t.send_notif(reg.d_addr.agent, notif)

@@ -79,6 +79,7 @@ class _Receive:
     p_ranks: int
     sent_ns: int = 0  # the last registration went out
     sends: int = 0
+    kv_check: str | None = None  # integrity: the worst verdict on a P rank's digest
 
 
 @dataclass
@@ -234,6 +235,12 @@ class TransferSpans:
         if rec is not None:
             rec.sent_ns, rec.sends = time.time_ns(), rec.sends + 1
 
+    def kv_checked(self, tid: str, result: str) -> None:
+        """D checked a P rank's digest (``connector.transfer.integrity.Check``)."""
+        rec = self._recv.get(tid)
+        if rec is not None and rec.kv_check != "mismatch":
+            rec.kv_check = result if rec.kv_check in (None, "skipped") else rec.kv_check
+
     def received(self, tid: str, ok: bool, reason: FailReason | None, at_ns: int) -> None:
         rec = self._recv.pop(tid, None)
         if rec is None:
@@ -255,7 +262,7 @@ class TransferSpans:
             parent=parent,
             start_ns=sent,
             end_ns=at_ns,
-            attributes={**common, Attr.P_RANKS: rec.p_ranks},
+            attributes={**common, Attr.P_RANKS: rec.p_ranks, Attr.KV_CHECK: rec.kv_check},
             error=None if ok else (_error(reason) or "failed"),
         )
 
