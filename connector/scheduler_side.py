@@ -5,6 +5,8 @@ workers, and the filtering of worker results before vLLM acts on them. Touches v
 objects (Request, KVCacheBlocks, SchedulerOutput, KVConnectorOutput) but never NIXL. A
 request's state changes only through core/lifecycle.py's table: each hook turns what vLLM
 says into one of its events and carries out the effect of the transition it returns.
+A new request's leg becomes its record in leg_intake.py; D's first_token span is timed in
+first_token.py.
 
 P (producer): the step that completes a prompt's KV is known when it is *scheduled*, so
 that step's metadata tells the workers to hand the blocks to the transfer thread right
@@ -17,7 +19,7 @@ D (consumer): when blocks are allocated for a D leg, the registration is staged 
 step's metadata, so the workers send it within the same engine step.
 
 vLLM 0.26 (connector/vllm_compat.py) binds no cache manager, so P's block ids come from
-the steps' SchedulerOutputs (``BlockTracker``), and reports a failed load only as block
+the steps' SchedulerOutputs (block_tracker.py), and reports a failed load only as block
 ids (``failures_as_blocks``), which D maps back through each load's first block.
 """
 
@@ -26,58 +28,26 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from connector.block_tracker import BlockTracker
 from connector.core import lifecycle as lc
 from connector.core import pairing
 from connector.core.errors import LocalProtocolError
 from connector.core.events import BlockTable
 from connector.core.lifecycle import Effect, ReqState
-from connector.engine_spans import (
-    emit_first_token,
-    emit_hook_failed,
-    emit_leg_rejected,
-    engine_tracer,
-)
-from connector.kv_params import (
-    Coordinates,
-    DecodeLeg,
-    KvParamsError,
-    LegTrust,
-    PrefillLeg,
-    UntrustedLeg,
-    is_probe,
-    parse_decode_leg,
-    parse_prefill_leg,
-)
+from connector.engine_spans import emit_hook_failed, engine_tracer
+from connector.first_token import FirstTokenWatch
+from connector.kv_params import Coordinates, KvParamsError, LegTrust, is_probe
+from connector.leg_intake import LegIntake, ReqRecord
 from connector.metadata import Handshake, StagedAbort, StagedPrefill, StagedRegistration, StepPlan
 from connector.shutdown import ShutdownWatch
 from telemetry.counts import Counts
 from telemetry.schema import Count, Recomputed
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Req:
-    request: Any  # vLLM's live Request: the scheduler keeps its counters current
-    state: ReqState
-    prefill: PrefillLeg | None = None
-    decode: DecodeLeg | None = None
-    error: str = ""
-    # Wall-clock times for spans: P first scheduled; D KV complete (as seen here), first
-    # step scheduled; D tokens it held itself.
-    scheduled_ns: int = 0
-    kv_ns: int = 0
-    first_step_ns: int = 0
-    local_tokens: int = 0
-    load_block: int | None = None  # D: the first block its load writes (vLLM 0.26)
-    # P: the leg came without a transfer_id (a router written for NixlConnector), so the
-    # answer also speaks NixlConnector's terms (core/pairing.py).
-    foreign: bool = False
 
 
 class SchedulerSide:
@@ -97,22 +67,19 @@ class SchedulerSide:
         # vLLM 0.26: a failed load comes back as its block ids, not its request id.
         self._failures_as_blocks = failures_as_blocks
         self._tracker = BlockTracker()  # P's block ids where no cache manager is bound
-        self._trust = trust or LegTrust()  # D: whose P coordinates a decode leg may name
-        self._refuse = refuse_untrusted  # untrusted_leg: refuse (else computed locally)
-        self.untrusted_legs = 0
         self.is_producer, self.is_consumer = is_producer, is_consumer
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, ReqRecord] = {}
         self._step = StepPlan()
         self._handshakes: dict[int, Handshake] = {}
         self._kv_cache_manager: Any = None
-        # D: requests whose KV arrived and whose first token is not out yet (first_token span).
-        self._first: dict[str, _Req] = {}
-        self._tracer = engine_tracer(engine_id, producer=False, host=host) if is_consumer else None
+        tracer = engine_tracer(engine_id, producer=False, host=host) if is_consumer else None
+        self._intake = LegIntake(
+            engine_id, is_producer, is_consumer, trust or LegTrust(), refuse_untrusted, tracer
+        )
+        self._first = FirstTokenWatch(engine_id, tracer)  # D: the first_token spans
         # Requests computed locally, by why (metrics: connector/plugin.py drains it).
         self.recomputed: Counter[str] = Counter()
-        self._fault_tracer = self._tracer or engine_tracer(
-            engine_id, producer=is_producer, host=host
-        )
+        self._fault_tracer = tracer or engine_tracer(engine_id, producer=is_producer, host=host)
         # Faults seen here, under telemetry.schema's Count names.
         self.counters: Counts = Counts()
 
@@ -149,55 +116,22 @@ class SchedulerSide:
             return
         rid = request.request_id
         try:
-            params, foreign = pairing.adapt(params, rid)  # legs without a transfer_id
-            if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
-                start = lc.start(lc.PrefillLegAdded(rid))
-                self._reqs[rid] = _Req(request, start, prefill=leg, foreign=foreign)
-            elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
-                rec = self._decode_record(request, dleg)  # trusted or not: before any dial
-                self._reqs[rid] = rec
-                # vLLM's API server resubmits a D leg that ended in an error pre-aborted
-                # (notify_kv_transfer_request_rejected), for cleanup: not a second leg.
-                if rec.error and not getattr(request, "abort_immediately", False):
-                    self._untrusted(rid, dleg, rec.error)
+            # vLLM's API server resubmits a D leg that ended in an error pre-aborted
+            # (notify_kv_transfer_request_rejected), for cleanup: not a second leg.
+            report = not getattr(request, "abort_immediately", False)
+            rec = self._intake.record(request, report=report)
         except (KvParamsError, pairing.ForeignLegError) as exc:
             # The request is served locally; the reason goes back in the response.
             logger.warning("Request %s: %s; computing it locally", rid, exc)
             self.recomputed[Recomputed.BAD_PARAMS.value] += 1
-            self._reqs[rid] = _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
+            rec = ReqRecord(request, lc.start(lc.LegRejected(rid)), error=str(exc))
+        if rec is not None:
+            self._reqs[rid] = rec
 
-    def _decode_record(self, request: Any, leg: DecodeLeg) -> _Req:
-        """D: a new request's record. A leg naming P coordinates D may not dial is never
-        dialed: computed locally (LegRejected), or refused (LegRefused: its load is failed);
-        either way ``error`` says why."""
-        rid = request.request_id
-        try:
-            self._trust.check(leg, time.time_ns() // 1_000_000)
-        except UntrustedLeg as exc:
-            if self._refuse:
-                why = f"{exc}; refused (untrusted_leg: refuse)"
-                return _Req(request, lc.start(lc.LegRefused(rid)), decode=leg, error=why)
-            return _Req(request, lc.start(lc.LegRejected(rid)), error=str(exc))
-        return _Req(request, lc.start(lc.DecodeLegAdded(rid)), decode=leg)
-
-    def _untrusted(self, rid: str, leg: DecodeLeg, why: str) -> None:
-        """Never dialed, computed locally or refused: logged 1st, 2nd, 4th... (a flood
-        stays quiet), and a ``leg_rejected`` span in the request's trace."""
-        self.untrusted_legs += 1
-        n = self.untrusted_legs
-        if n & (n - 1) == 0:
-            then = "" if self._refuse else "; computing it locally"
-            logger.warning("Request %s: %s%s (%d so far)", rid, why, then, n)
-        emit_leg_rejected(
-            self._tracer,
-            leg.trace(),
-            transfer_id=leg.transfer_id,
-            request_id=rid,
-            engine_id=self.engine_id,
-            peer=f"{leg.remote_host}:{leg.remote_port}",
-            reason=why,
-            at_ns=time.time_ns(),
-        )
+    @property
+    def untrusted_legs(self) -> int:
+        """D legs never dialed since start-up (their P coordinates were not trusted)."""
+        return self._intake.untrusted_legs
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -274,7 +208,7 @@ class SchedulerSide:
             self._tracker.update(scheduler_output, wanted)
         manager = self._kv_cache_manager or self._tracker
         if self._first:
-            self._watch_first_tokens(scheduled)
+            self._first.poll(scheduled, time.time_ns())
         for rid, rec in list(self._reqs.items()):
             if rec.prefill is None or rid not in scheduled:
                 continue
@@ -308,7 +242,7 @@ class SchedulerSide:
         if is_probe(request.kv_transfer_params):
             return False, {"pushkv": self.coordinates()}
         if rid in self._first:
-            self._first_token_out(rid, time.time_ns())
+            self._first.out(rid, time.time_ns())
         rec = self._reqs.get(rid)
         if rec is None:
             return False, None
@@ -345,7 +279,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ results
     def update_connector_output(self, output: Any) -> None:
         if self._first:
-            self._watch_first_tokens({})
+            self._first.poll({}, time.time_ns())
         sending = output.finished_sending or set()
         for rid in list(sending):
             rec = self._reqs.get(rid)
@@ -368,9 +302,8 @@ class SchedulerSide:
                 # or failed: kv_load_failure_policy
                 self.recomputed[Recomputed.TRANSFER_FAILED.value] += 1
             move = self._next(rid, rec, lc.RecvReported(rid))
-            if move.effect is Effect.TIME_FIRST_TOKEN and self._tracer is not None:
-                rec.kv_ns = time.time_ns()
-                self._first[rid] = rec
+            if move.effect is Effect.TIME_FIRST_TOKEN and self._intake.tracer is not None:
+                self._first.watch(rid, rec, time.time_ns())
             self._enter(rid, rec, move)
 
     def _failed_recving(self, output: Any) -> set[str]:
@@ -385,7 +318,7 @@ class SchedulerSide:
             if (rec := self._reqs.get(rid)) is not None and rec.load_block in invalid
         }
 
-    def _note_load_block(self, rec: _Req, blocks: Any) -> None:
+    def _note_load_block(self, rec: ReqRecord, blocks: Any) -> None:
         """D: remember, and tell the workers, the first block a load writes (vLLM 0.26
         takes a failed load only as block ids: this one makes it compute from there)."""
         if rec.load_block is None and blocks is not None:
@@ -468,24 +401,18 @@ class SchedulerSide:
         rec = self._reqs.get(request.request_id)
         return rec is not None and rec.state is ReqState.HANDED_OVER
 
-    def _adopt(self, request: Any) -> _Req | None:
+    def _adopt(self, request: Any) -> ReqRecord | None:
         """A record for a request whose ``on_new_request`` raised, if its leg parses."""
         try:
-            params, foreign = pairing.adapt(request.kv_transfer_params, request.request_id)
-            if self.is_producer and (leg := parse_prefill_leg(params)) is not None:
-                start = lc.start(lc.PrefillLegAdded(request.request_id))
-                rec = _Req(request, start, prefill=leg, foreign=foreign)
-            elif self.is_consumer and (dleg := parse_decode_leg(params)) is not None:
-                rec = self._decode_record(request, dleg)  # an untrusted leg stays undialed
-            else:
-                return None
+            rec = self._intake.record(request, report=False)  # an untrusted leg stays undialed
         except (KvParamsError, pairing.ForeignLegError):
             return None
-        self._reqs[request.request_id] = rec
+        if rec is not None:
+            self._reqs[request.request_id] = rec
         return rec
 
     # ------------------------------------------------------------------ the lifecycle table
-    def _next(self, rid: str, rec: _Req, event: lc.ReqEvent) -> lc.Transition:
+    def _next(self, rid: str, rec: ReqRecord, event: lc.ReqEvent) -> lc.Transition:
         """The table's transition for ``event``. One out of turn is our bug: logged, and the
         request keeps its state, since a hook must not raise into vLLM's step."""
         try:
@@ -494,7 +421,7 @@ class SchedulerSide:
             logger.error("Request %s: %s; ignored", rid, exc)
             return lc.IGNORE
 
-    def _enter(self, rid: str, rec: _Req, move: lc.Transition) -> None:
+    def _enter(self, rid: str, rec: ReqRecord, move: lc.Transition) -> None:
         """Apply a transition once its effect is carried out (so a failing vLLM call leaves
         the request where it was)."""
         if move.to is ReqState.RELEASED:
@@ -502,70 +429,8 @@ class SchedulerSide:
         elif move.to is not None:
             rec.state = move.to
 
-    # ------------------------------------------------------------------ D's first token
-    def _watch_first_tokens(self, scheduled: Any) -> None:
-        """Polled each step: vLLM tells the connector neither when a request with its KV in
-        is scheduled nor when its first token is out, so both are observed here (the
-        scheduler appends a step's tokens before it calls update_connector_output)."""
-        now = time.time_ns()
-        for rid, rec in list(self._first.items()):
-            if rec.request.num_output_tokens > 0:
-                self._first_token_out(rid, now)
-            elif not rec.first_step_ns and rid in scheduled:
-                rec.first_step_ns = now
-
-    def _first_token_out(self, rid: str, now: int) -> None:
-        rec = self._first.pop(rid)
-        assert rec.decode is not None
-        emit_first_token(
-            self._tracer,
-            rec.decode.trace(),
-            transfer_id=rec.decode.transfer_id,
-            request_id=rid,
-            engine_id=self.engine_id,
-            kv_ns=rec.kv_ns,
-            scheduled_ns=rec.first_step_ns,
-            out_ns=now,
-            local_tokens=rec.local_tokens,
-            error=None if rec.request.num_output_tokens > 0 else "no_token",
-        )
-
     def has_pending_push_work(self) -> bool:
         return not self._step.empty() or any(r.state.push_pending for r in self._reqs.values())
-
-
-@dataclass
-class BlockTracker:
-    """vLLM 0.26's stand-in for ``KVCacheManager.get_block_ids`` (0.26 binds no cache
-    manager): each wanted request's block ids, kept from every step's ``SchedulerOutput``
-    (a new request carries its whole table, a running one the blocks appended this step, a
-    resumed one its table anew), as vLLM's model runner keeps its block tables."""
-
-    tables: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
-
-    def update(self, out: Any, wanted: set[str]) -> None:
-        """Take one step's ``SchedulerOutput``; ``wanted``: the request ids to keep."""
-        for rid in set(out.preempted_req_ids or ()) | set(out.finished_req_ids or ()):
-            self.tables.pop(rid, None)
-        for rid in set(self.tables) - wanted:
-            del self.tables[rid]
-        for new in out.scheduled_new_reqs:
-            if new.req_id in wanted:
-                self.tables[new.req_id] = tuple(list(g) for g in new.block_ids)
-        cached = out.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if rid not in wanted or ids is None:
-                continue
-            table = self.tables.get(rid)
-            if rid in resumed:
-                self.tables[rid] = tuple(list(g) for g in ids)
-            elif table is not None:  # (never seen whole: not guessed from a tail)
-                for group, more in zip(table, ids, strict=True):
-                    group.extend(more)
-
-    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
-        return self.tables.get(rid, ())
 
 
 def _stopped(request: Any) -> bool:

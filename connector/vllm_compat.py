@@ -20,7 +20,7 @@ Python is the same as the CPU one's):
 - ``CacheHitSource`` (0.32 labels external hits by tier): absent in 0.26 (``CACHE_HIT_P2P``).
 - ``bind_kv_cache_manager`` (0.32): 0.26 binds only the block pool, so P's scheduler role
   keeps each request's block ids from the ``SchedulerOutput``s
-  (scheduler_side.BlockTracker, used whenever no cache manager was bound).
+  (block_tracker.BlockTracker, used whenever no cache manager was bound).
 - KV cache layouts: 0.32 takes ``LBHNC``/``BLHNC`` (``KVCacheLayout``); 0.26 knows only
   ``NHD``/``HND`` (a per-layer [B, H, N, 2D] view, ``HND`` head-major: what CPU attention
   requires anyway, and FlashAttention's ``get_kv_cache_stride_order`` raises on any other

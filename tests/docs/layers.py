@@ -38,6 +38,9 @@ _SCHEDULER_MAY = (
     "connector.engine_spans",
     "connector.shutdown",
     "connector.scheduler_side",
+    "connector.leg_intake",
+    "connector.first_token",
+    "connector.block_tracker",
     "connector.plugin",
     "connector.stats",
     "connector.vllm_compat",
@@ -110,8 +113,14 @@ LAYERS: tuple[Layer, ...] = (
         "below `transfer/`, which reads it",
     ),
     Layer(
-        "`connector/scheduler_side.py`",
-        ("connector/scheduler_side.py",),
+        "the scheduler role: `connector/scheduler_side.py`, `leg_intake.py`, `first_token.py`, "
+        "`block_tracker.py`",
+        (
+            "connector/scheduler_side.py",
+            "connector/leg_intake.py",
+            "connector/first_token.py",
+            "connector/block_tracker.py",
+        ),
         _SCHEDULER_MAY,
         ("nixl", "torch", "triton"),
         "runs in EngineCore, where no transfer thread is: nothing of `transfer/`",

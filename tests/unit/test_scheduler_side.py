@@ -366,7 +366,7 @@ def test_a_raising_hook_on_an_untrusted_leg_still_dials_nothing() -> None:
 def test_an_untrusted_leg_is_a_span_in_the_requests_trace() -> None:
     rec = Recorder()
     s = SchedulerSide("decode", False, True, LegTrust(b"s" * 32))
-    s._tracer = rec.tracer
+    s._intake.tracer = rec.tracer
     tp = "00-" + "a1" * 16 + "-" + "c1" * 8 + "-01"
     s.on_new_request(Req("d", {**D_LEG, "traceparent": tp}))
     span = rec.one(Span.LEG_REJECTED)

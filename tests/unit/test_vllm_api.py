@@ -64,7 +64,7 @@ DEFAULTS_THAT_FIT = {
     "supports_lookahead_block_hashes", "may_load_async",
     # 0.26: no cross-layer KV tensor (pushkv registers per-layer views; block-outermost
     # pages only on 0.32+ through the BLHNC layout); 0.26 binds only the block pool, which
-    # pushkv does not need (scheduler_side.BlockTracker keeps P's block ids instead).
+    # pushkv does not need (block_tracker.BlockTracker keeps P's block ids instead).
     "prefer_cross_layer_blocks", "register_cross_layers_kv_cache",
 }  # fmt: skip
 
@@ -79,7 +79,7 @@ SINCE_0_32 = {
 }
 
 # What pushkv reads of the objects vLLM hands its hooks (connector/plugin.py and
-# scheduler_side.py read them duck-typed): file -> class -> attributes.
+# scheduler_side.py and its parts read them duck-typed): file -> class -> attributes.
 READ = {
     "vllm/v1/request.py": {
         "Request": {

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from connector.block_tracker import BlockTracker
 from connector.core.lifecycle import ReqState
 from connector.kv_tensors import CPU_LAYOUT, GPU_LAYOUT, preferred_layout
 from connector.metadata import StepPlan
-from connector.scheduler_side import BlockTracker, SchedulerSide
+from connector.scheduler_side import SchedulerSide
 from connector.worker_side import WorkerSide
 
 compat = pytest.importorskip("connector.vllm_compat")
