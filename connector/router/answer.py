@@ -1,7 +1,8 @@
 """The client's answer as raw ASGI messages: its start, its body, an error answer, and the
 end of an SSE stream.
 
-Owns: ``SSE_DONE``, ``start``, ``send_body``, ``send_error``, ``event_break``.
+Owns: ``SSE_DONE``, ``start``, ``send_body``, ``send_error``, ``event_break``, and
+``error_response`` (an error answer as a Starlette response).
 
 Must not import: ``connector.router.app`` or the relay modules.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from starlette.responses import JSONResponse
 from starlette.types import Send
 
 from connector.router.upstream import UpstreamError
@@ -42,3 +44,9 @@ async def send_error(send: Send, err: UpstreamError, request_id: str) -> None:
 def event_break(tail: bytes) -> bytes:
     """Make sure an error event does not glue onto a half-sent SSE event."""
     return b"" if tail.endswith(b"\n\n") else b"\n\n"
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
+    )

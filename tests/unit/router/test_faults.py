@@ -216,12 +216,12 @@ async def test_an_unexpected_error_is_a_clear_502(
     rec = Recorder()
     c = await cluster(tracer=rec.tracer)
     monkeypatch.setattr(legs, "decode_body", broken)
-    with caplog.at_level(logging.ERROR, logger="connector.router.app"):
+    with caplog.at_level(logging.ERROR, logger="connector.router.proxy"):
         r = await c.client.post("/v1/completions", json=COMPLETION)
     assert r.status_code == 502
     err = r.json()["error"]
     assert err["type"] == "router_error" and "a bug of the router's own" in err["message"]
-    (logged,) = [x for x in caplog.records if x.name == "connector.router.app"]
+    (logged,) = [x for x in caplog.records if x.name == "connector.router.proxy"]
     assert logged.exc_info is not None  # once, with the traceback
     assert (await stats(c))["requests"]["router_errors"] == 1
     root = rec.one(Span.REQUEST)
