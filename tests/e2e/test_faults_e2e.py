@@ -6,7 +6,9 @@ One P/D stack for the whole module, with deadlines configured short (D: receive 
 (pushkv_testing/faults.py): P fails the WRITE of a 41-token prompt, D loses the first
 ``done`` of a 43-token prompt, D's ``update_state_after_alloc`` raises for a 47-token
 prompt, and P holds the WRITE of a 53-token prompt until D's cancel has come while D checks
-the blocks it frees for it (pushkv_testing/freed_check.py). D's policy is
+the blocks it frees for it (pushkv_testing/freed_check.py). KV checksums are on for every
+request (``kv_checksum_every: 1``) and D flips a byte of a 59-token prompt's KV once it
+landed, which its check must catch. D's policy is
 ``recompute``, so the client's answer must equal the single instance's whatever failed.
 The tests run in file order; the later ones kill and restart servers (kill -9 of the whole
 process group, by PID), so each leaves the stack healthy for the next.
@@ -41,6 +43,7 @@ from tests.e2e.test_push_e2e import KV_USAGE_METRIC, post_ok, random_prompt
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 FAIL_WRITE_TOKENS, DROP_DONE_TOKENS, RAISE_TOKENS, HOLD_TOKENS = 41, 43, 47, 53
+FLIP_KV_TOKENS = 59
 RECEIVE_TIMEOUT_S = 1.0
 WRITE_TIMEOUT_S = 0.9  # P's and D's: a held WRITE must be posted before P aborts it
 HOLD_S = 0.8  # P holds a 53-token WRITE this long at most, waiting for D's cancel
@@ -50,6 +53,7 @@ P_CONFIG = {
     "lease_s": LEASE_S,
     "heartbeat_s": 0.5,
     "write_timeout_s": WRITE_TIMEOUT_S,
+    "kv_checksum_every": 1,
     "_faults": {
         "fail_write_tokens": FAIL_WRITE_TOKENS,
         "hold_write_tokens": HOLD_TOKENS,
@@ -62,8 +66,10 @@ D_CONFIG = {
     "grace_s": 1.0,
     "heartbeat_s": HEARTBEAT_S,
     "dial_timeout_s": 1.0,
+    "kv_checksum_every": 1,
     "_faults": {
         "drop_completion_tokens": DROP_DONE_TOKENS,
+        "flip_kv_tokens": FLIP_KV_TOKENS,
         "raise_hook": "update_state_after_alloc",
         "raise_hook_tokens": RAISE_TOKENS,
         "check_freed_tokens": HOLD_TOKENS,
@@ -219,8 +225,9 @@ def degraded_count(fx: Fx) -> int:
         (FAIL_WRITE_TOKENS, Span.AWAIT_KV, "post_error"),  # P's WRITE fails: fail at once
         (DROP_DONE_TOKENS, Span.AWAIT_KV, None),  # lost `done`: D's heartbeat, P re-sends it
         (RAISE_TOKENS, Span.HOOK_FAILED, Outcome.HOOK_ERROR.value),  # our hook raised on D
+        (FLIP_KV_TOKENS, Span.AWAIT_KV, "checksum_mismatch"),  # a byte of D's KV flipped
     ],
-    ids=["write_failure", "lost_completion", "raising_hook"],
+    ids=["write_failure", "lost_completion", "raising_hook", "flipped_kv"],
 )
 def test_injected_fault_ends_within_the_deadline(
     fx: Fx, tokens: int, span: Span, reason: str | None
@@ -244,6 +251,19 @@ def test_injected_fault_ends_within_the_deadline(
     if tokens == DROP_DONE_TOKENS:
         tid = found.attributes[Attr.TRANSFER_ID.value]
         wait_for_log(fx.stack.decode, f"injected: drop_completion (transfer {tid})")
+    if tokens == FLIP_KV_TOKENS:  # D recomputed instead of answering from the bad KV
+        assert found.attributes.get(Attr.KV_CHECK.value) == "mismatch"
+        tid = found.attributes[Attr.TRANSFER_ID.value]
+        wait_for_log(fx.stack.decode, f"injected: flip_kv (transfer {tid})")
+
+
+def test_intact_kv_passes_its_checksum(fx: Fx) -> None:
+    prompt = random_prompt(61, seed=61)
+    got, trace_id, _ = traced_post(fx, prompt)
+    assert_matches_reference(got, reference(fx, prompt), "61-token prompt")
+    found = wait_for_span(fx, trace_id, Span.AWAIT_KV, lambda s: True)
+    assert found.status is not StatusCode.ERROR
+    assert found.attributes.get(Attr.KV_CHECK.value) == "ok"
 
 
 def test_lease_expires_when_no_d_registers(fx: Fx) -> None:
