@@ -28,7 +28,8 @@ import httpx
 
 from connector.tools.pdstack import CONNECTORS, PdStack, RouterProcess, metric_sum
 from connector.tools.stack import VllmServer
-from connector.tools.tinymodel import ARCH, VOCAB_SIZE, make_tiny_model
+from connector.tools.tinymodel import ARCH, make_tiny_model
+from connector.tools.tinytokenizer import VOCAB_SIZE
 
 SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
 # NIXL byte counters of vLLM's connectors (on the WRITE's or READ's owner); pushkv has none yet.

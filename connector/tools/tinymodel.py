@@ -1,20 +1,19 @@
 """A tiny random Llama that vLLM and transformers can load, built locally with no download.
 
-Over 400 lines, one job: ruff format puts the tokenizer corpus's word lists one per line.
-
-Owns: the tiny models' specs (config, tokenizer, seeded weights), their on-disk cache and the
-``python -m connector.tools.tinymodel`` CLI. Models by name (``MODELS``): ``tiny`` (1 KiB
-of KV per token) and ``tiny-kv``, the same kind of small compute with a real model's KV geometry
-(8 layers, 8 KV heads of 128: 32 KiB per token in bf16, as Llama-8B's; a 2k-token prompt is 64
-MiB), so that a CPU benchmark moves as many bytes per token as a real deployment. The weights
-are seeded random numbers, scaled so that attention matters: greedy output depends on the whole
-prompt, which is what the end-to-end KV-equality tests need (vLLM's ``--load-format dummy``
-gives near-constant weights whose output depends on the last token only, so equal outputs would
-prove nothing about the KV).
+Owns: the tiny models' specs (config, seeded weights; the tokenizer is tinytokenizer.py's),
+their on-disk cache and the ``python -m connector.tools.tinymodel`` CLI. Models by name
+(``MODELS``): ``tiny`` (1 KiB of KV per token) and ``tiny-kv``, the same kind of small compute
+with a real model's KV geometry (8 layers, 8 KV heads of 128: 32 KiB per token in bf16, as
+Llama-8B's; a 2k-token prompt is 64 MiB), so that a CPU benchmark moves as many bytes per token
+as a real deployment. The weights are seeded random numbers, scaled so that attention matters:
+greedy output depends on the whole prompt, which is what the end-to-end KV-equality tests need
+(vLLM's ``--load-format dummy`` gives near-constant weights whose output depends on the last
+token only, so equal outputs would prove nothing about the KV).
 
 Must not import vLLM, torch, transformers or anything of the project but tinyfamilies.py (the
-non-Llama configs and weight names: ``tiny-mla``, MLA + MoE): it runs in CI setup and
-in the test process. Needs only numpy and ``tokenizers``; safetensors is written by hand.
+non-Llama configs and weight names: ``tiny-mla``, MLA + MoE) and tinytokenizer.py: it runs in CI
+setup and in the test process. Needs only numpy and ``tokenizers``; safetensors is written by
+hand.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import shutil
 import struct
 import tempfile
@@ -39,13 +37,18 @@ from connector.tools.tinyfamilies import (
     is_mla,
     mla_latent_width,
 )
+from connector.tools.tinytokenizer import (
+    BOS_TOKEN,
+    CORPUS_SEED,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    VOCAB_SIZE,
+    train_tokenizer,
+)
 
 # Bump when anything below changes what is written: the cache key includes it.
 FORMAT_VERSION = 1
-
-VOCAB_SIZE = 4096
-BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2 (trainer order)
 
 # Plain role markers are enough for /v1/chat/completions; BOS comes from the template
 # because vLLM renders chat prompts with add_special_tokens=False.
@@ -125,8 +128,6 @@ SCALES: dict[str, float] = {
     "lm_head": 4.0,
 }
 
-_CORPUS_SEED = 1234  # the tokenizer does not depend on the weight seed
-
 
 def _config(arch: dict[str, Any], bos_id: int, eos_id: int, pad_id: int) -> dict[str, Any]:
     if is_mla(arch):
@@ -160,7 +161,7 @@ def _cache_key(seed: int, name: str = DEFAULT_MODEL) -> str:
         "arch": MODELS[name],
         "scales": SCALES,
         "vocab": VOCAB_SIZE,
-        "corpus_seed": _CORPUS_SEED,
+        "corpus_seed": CORPUS_SEED,
         "chat_template": CHAT_TEMPLATE,
     }
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -207,7 +208,7 @@ def _build(out: Path, seed: int, arch: dict[str, Any]) -> None:
 def write_model_meta(out: Path, arch: dict[str, Any]) -> None:
     """Everything of a model directory but its weights: the local tokenizer, its config and
     the model's config for ``arch`` (bench/gpu_model.py writes GPU-sized weights beside it)."""
-    tokenizer = _train_tokenizer()
+    tokenizer = train_tokenizer()
     vocab = tokenizer.get_vocab()
     if len(vocab) != VOCAB_SIZE:
         raise RuntimeError(f"tokenizer has {len(vocab)} tokens, expected {VOCAB_SIZE}")
@@ -245,172 +246,6 @@ def write_model_meta(out: Path, arch: dict[str, Any]) -> None:
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-# --- tokenizer -----------------------------------------------------------------------------
-
-_ONSETS = (
-    "",
-    "b",
-    "c",
-    "d",
-    "f",
-    "g",
-    "h",
-    "j",
-    "k",
-    "l",
-    "m",
-    "n",
-    "p",
-    "r",
-    "s",
-    "t",
-    "v",
-    "w",
-    "z",
-    "br",
-    "ch",
-    "cl",
-    "dr",
-    "fl",
-    "gr",
-    "pl",
-    "pr",
-    "sh",
-    "st",
-    "th",
-    "tr",
-)
-_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "y")
-_CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "rt", "st", "ck", "x")
-_COMMON = (
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "it",
-    "was",
-    "for",
-    "on",
-    "are",
-    "with",
-    "as",
-    "at",
-    "be",
-    "this",
-    "have",
-    "from",
-    "or",
-    "one",
-    "by",
-    "not",
-    "but",
-    "what",
-    "all",
-    "were",
-    "when",
-    "we",
-    "there",
-    "can",
-    "an",
-    "your",
-    "which",
-    "their",
-    "said",
-    "if",
-    "do",
-    "will",
-    "each",
-    "about",
-    "how",
-    "up",
-    "out",
-    "them",
-    "then",
-    "she",
-    "many",
-    "some",
-    "so",
-    "these",
-    "would",
-    "other",
-    "into",
-    "has",
-    "more",
-    "her",
-    "two",
-    "like",
-    "him",
-    "see",
-    "time",
-    "could",
-    "no",
-    "make",
-    "than",
-    "first",
-)
-
-
-def _corpus(n_sentences: int = 12000) -> list[str]:
-    """Deterministic English-like text: common words, made-up words, numbers, code-ish lines."""
-    rng = random.Random(_CORPUS_SEED)
-    words = list(_COMMON)
-    while len(words) < 6000:
-        words.append(
-            "".join(
-                rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                for _ in range(rng.randint(1, 3))
-            )
-        )
-    lines = []
-    for _ in range(n_sentences):
-        kind = rng.random()
-        if kind < 0.8:
-            ws = [
-                rng.choice(_COMMON) if rng.random() < 0.4 else rng.choice(words)
-                for _ in range(rng.randint(4, 16))
-            ]
-            ws[0] = ws[0].capitalize()
-            lines.append(" ".join(ws) + rng.choice(".!?,;:"))
-        elif kind < 0.9:
-            lines.append(" ".join(str(rng.randint(0, 10 ** rng.randint(1, 6))) for _ in range(6)))
-        else:
-            a, b = rng.choice(words), rng.choice(words)
-            lines.append(f"def {a}_{b}(x):\n    return x * {rng.randint(1, 99)} + {a}({b})")
-    return lines
-
-
-def _train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=1,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    bos_id = tok.token_to_id(BOS_TOKEN)
-    # Prepend BOS like Llama's tokenizer; ByteLevel post-processing keeps offsets right.
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS_TOKEN} $A",
-                pair=f"{BOS_TOKEN} $A $B",
-                special_tokens=[(BOS_TOKEN, bos_id)],
-            ),
-        ]
-    )
-    return tok
 
 
 # --- weights -------------------------------------------------------------------------------

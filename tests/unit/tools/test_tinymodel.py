@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.tools import tinymodel
+from connector.tools import tinymodel, tinytokenizer
 from connector.tools.tinymodel import make_tiny_model
 
 
@@ -86,7 +86,7 @@ def test_config_and_safetensors_layout(model_dir: Path) -> None:
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (2, 256, 512)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 64)
-    assert cfg["vocab_size"] == tinymodel.VOCAB_SIZE and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == tinytokenizer.VOCAB_SIZE and cfg["tie_word_embeddings"] is False
     safetensors = pytest.importorskip("safetensors")
     with safetensors.safe_open(str(model_dir / "model.safetensors"), framework="numpy") as f:
         keys = set(f.keys())
@@ -109,9 +109,9 @@ def test_loads_with_transformers(model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    assert config.model_type == "llama" and config.vocab_size == tinymodel.VOCAB_SIZE
+    assert config.model_type == "llama" and config.vocab_size == tinytokenizer.VOCAB_SIZE
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    assert len(tok) == tinymodel.VOCAB_SIZE
+    assert len(tok) == tinytokenizer.VOCAB_SIZE
     ids = tok("The quick brown fox").input_ids
     assert ids[0] == tok.bos_token_id == config.bos_token_id and ids.count(ids[0]) == 1
     assert tok.decode(ids, skip_special_tokens=True) == "The quick brown fox"
