@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from connector.tools.stack import free_port, stop_process_group, tail_lines
+from connector.tools.procgroup import stop_process_group
+from connector.tools.stack import free_port, tail_lines
 
 START_TIMEOUT_S = 30.0
 

@@ -27,13 +27,13 @@ from typing import IO, Any, ClassVar
 
 import httpx
 
+from connector.tools.procgroup import group_cpu_s
 from connector.tools.stack import (
     ChildProcess,
     Stack,
     StartStop,
     VllmServer,
     free_port,
-    group_cpu_s,
 )
 
 

@@ -1,12 +1,9 @@
 """Process management for real vLLM servers: ``make demo``, the end-to-end tests, the benchmarks.
 
-Over 400 lines, one job: starting, watching and stopping child servers (vLLM's command line
-included); splitting it would separate the command line from the process that runs it.
-
 Owns: the vLLM command line and child environment we run with (``VllmServer``), starting a
-server in its own session, waiting for ``/health``, stopping it by process group (``ChildProcess``,
-which ``pdstack.RouterProcess`` shares), and ``Stack``, which starts several services
-concurrently and always stops them all, in reverse order.
+server in its own session, waiting for ``/health``, stopping it by process group
+(procgroup.py; ``ChildProcess``, which ``pdstack.RouterProcess`` shares), and ``Stack``,
+which starts several services concurrently and always stops them all, in reverse order.
 
 Must not import vLLM, NIXL or torch: servers are child processes started with this interpreter
 (``python -m vllm.entrypoints.openai.api_server``, which works even where the ``vllm`` command
@@ -34,7 +31,14 @@ import httpx
 
 from connector.core.errors import PushkvError
 
-# Re-exported: the stacks' callers pick and check ports through here.
+# Re-exported (the noqa'd names): many callers (tests/e2e, connector/tools/bench/, bench/)
+# pick and check ports, and the benchmarks count a stack's processes and CPU, through here.
+from connector.tools.procgroup import (
+    group_cpu_s,  # noqa: F401
+    group_pids,  # noqa: F401
+    group_rss_bytes,
+    stop_process_group,
+)
 from connector.transport.ports import free_port, port_is_free  # noqa: F401
 
 KV_CACHE_MEMORY_BYTES = 256 << 20  # ample for the tiny model; it is resident in every server
@@ -88,84 +92,6 @@ def first_traceback(path: Path, max_lines: int = 40) -> str:
     if len(picked) > max_lines:
         picked = picked[:5] + ["...\n"] + picked[-(max_lines - 6) :]
     return "".join(picked)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, but not ours: never signal it
-        return False
-    return True
-
-
-def _group_rss_bytes(pgid: int) -> int:
-    """Summed RSS of every live process in group ``pgid`` (Linux /proc; shared pages count
-    once per process, so this over-reports a little)."""
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue  # exited while we looked
-    return total
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every live process in group ``pgid`` (Linux /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # Fields after the ")" of comm: state ppid pgrp ...
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue  # exited while we looked
-    return pids
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU time (utime + stime, all threads) used so far by the live processes of group
-    ``pgid``, in seconds. Processes that exit between two readings drop out of the sum."""
-    ticks = 0
-    for pid in group_pids(pgid):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-        except (OSError, ValueError, IndexError):
-            continue  # exited while we looked
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def stop_process_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Stop a child started with ``start_new_session``: SIGTERM the leader, then (after half
-    of ``timeout_s``) its whole group, then SIGKILL the group at ``timeout_s``; reap it."""
-    pgid = proc.pid  # start_new_session: the child leads its own group
-    start = time.monotonic()
-    for sig_group, until in ((False, start + timeout_s / 2), (True, start + timeout_s)):
-        if not _group_alive(pgid):
-            break
-        with contextlib.suppress(ProcessLookupError):  # exited meanwhile: nothing to signal
-            if sig_group:
-                os.killpg(pgid, signal.SIGTERM)
-            elif proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        # The leader may be gone while a child of it still shuts down.
-        while _group_alive(pgid) and time.monotonic() < until:
-            proc.poll()  # reap the leader as soon as it exits
-            time.sleep(0.1)
-    if _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):  # exited meanwhile: nothing to kill
-            os.killpg(pgid, signal.SIGKILL)
-    proc.wait()
-    kill_deadline = time.monotonic() + 5.0  # SIGKILLed members free their ports soon
-    while _group_alive(pgid) and time.monotonic() < kill_deadline:
-        time.sleep(0.05)
 
 
 class Service(Protocol):
@@ -408,7 +334,7 @@ class VllmServer(ChildProcess, StartStop):
 
     def rss_bytes(self) -> int:
         """Summed RSS of the server's process group (API server + engine); 0 if not running."""
-        return _group_rss_bytes(self._proc.pid) if self._proc is not None else 0
+        return group_rss_bytes(self._proc.pid) if self._proc is not None else 0
 
     def __enter__(self) -> Self:
         self.start()

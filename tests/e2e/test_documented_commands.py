@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from connector.tools.stack import DROPPED_ENV, group_pids, stop_process_group
+from connector.tools.procgroup import group_pids, stop_process_group
+from connector.tools.stack import DROPPED_ENV
 from connector.transport.ports import free_port
 from telemetry.schema import Service, Span
 from telemetry.traces import read_run
