@@ -1,10 +1,8 @@
 """The NIXL adapter: the only module of pushkv that calls NIXL.
 
-Over 400 lines, one job: by design the only module that calls NIXL.
-
-Owns: ``NixlTransport`` (the ``Transport`` Protocol over a NIXL agent), loading the nixl
-wheel lazily, mapping every NIXL exception onto ``connector.core.errors``, and loading
-the peer metadata that our side channel (``transport/sidechannel.py``) receives.
+Owns: ``NixlTransport`` (the ``Transport`` Protocol over a NIXL agent) and loading the peer
+metadata that our side channel (``transport/sidechannel.py``) receives. The nixl wheel is
+found, and its exceptions mapped onto ``connector.core.errors``, by ``nixl_api.py``.
 Must not import at module level: nixl, torch, vLLM (this module must import cheaply
 where nixl is not installed). NIXL runs no threads: its listener is off (it binds
 0.0.0.0, never retries, and loads metadata from its own thread) and so is its progress
@@ -15,19 +13,15 @@ made by the thread that owns the transport (the transfer thread).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from types import ModuleType
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from connector.core.errors import (
     LocalProtocolError,
-    PeerDisconnected,
     PeerUnknown,
     PeerUnreachable,
     TransportError,
@@ -40,57 +34,12 @@ from connector.transport.base import (
     tensor_extents,
     validate_write_descs,
 )
+from connector.transport.nixl_api import load_nixl_api, nixl_call
 from connector.transport.sidechannel import SideChannel
 from telemetry.counts import Counts
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
-
-# The meta package first (it picks cu12/cu13 from the CUDA stack it sees); the wheels
-# directly next, because the meta package raises ImportError when its pick is missing.
-_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-
-
-def load_nixl_api() -> ModuleType:
-    """Import and return nixl's ``_api`` module; TransportError if none is installed."""
-    for mod_name in _API_MODULES:
-        try:
-            return importlib.import_module(mod_name)
-        except ImportError:
-            continue
-    raise TransportError("nixl is not installed: pip install nixl==1.5.1")
-
-
-def _is_nixl_error(exc: BaseException) -> bool:
-    # The bindings' exceptions (nixlBackendError, nixlNotFoundError, ...) derive straight
-    # from Exception, so match them by name/module; pybind turns other C++ exceptions
-    # into RuntimeError (also raised by nixl_agent when no plugin loads).
-    cls = type(exc)
-    return (
-        cls.__name__.startswith("nixl")
-        or (cls.__module__ or "").startswith("nixl")
-        or isinstance(exc, RuntimeError)
-    )
-
-
-def map_nixl_error(exc: BaseException, op: str, peer: str | None) -> TransportError:
-    """One of our TransportErrors for a NIXL exception; the caller chains ``from exc``."""
-    where = f"{op} (peer {peer!r})" if peer else op
-    kind = type(exc).__name__
-    ours = {"nixlRemoteDisconnectError": PeerDisconnected, "nixlNotFoundError": PeerUnknown}
-    return ours.get(kind, TransportError)(f"{where}: {kind}: {exc}")
-
-
-@contextmanager
-def _nixl_call(op: str, peer: str | None = None) -> Iterator[None]:
-    try:
-        yield
-    except TransportError:
-        raise
-    except Exception as exc:
-        if not _is_nixl_error(exc):
-            raise
-        raise map_nixl_error(exc, op, peer) from exc
 
 
 class NixlTransport:
@@ -129,7 +78,7 @@ class NixlTransport:
             capture_telemetry=False,
             backends=[],
         )
-        with _nixl_call("create agent"):
+        with nixl_call("create agent"):
             agent = api.nixl_agent(agent_name, cfg)
             plugins = agent.get_plugin_list()
             for backend in backends:
@@ -189,7 +138,7 @@ class NixlTransport:
         rows = extents_to_rows(extents, device_id)
         if rows.shape[0] == 0:
             return
-        with _nixl_call(f"register {rows.shape[0]} {check_mem_kind(mem_type)} extents"):
+        with nixl_call(f"register {rows.shape[0]} {check_mem_kind(mem_type)} extents"):
             self._regs.append(agent.register_memory(rows, mem_type))
         self._publish()
 
@@ -203,7 +152,7 @@ class NixlTransport:
         while self._regs:
             reg = self._regs.pop()
             try:
-                with _nixl_call("deregister memory"):
+                with nixl_call("deregister memory"):
                     agent.deregister_memory(reg)
             except TransportError as exc:
                 first = first or exc
@@ -213,7 +162,7 @@ class NixlTransport:
 
     def _publish(self) -> None:
         """Our current metadata to the side channel: what every later exchange carries."""
-        with _nixl_call("get local metadata"):
+        with nixl_call("get local metadata"):
             self._side.set_local_metadata(self._live_agent().get_agent_metadata())
 
     # -- peers ----------------------------------------------------------------------
@@ -240,13 +189,13 @@ class NixlTransport:
         if peer in self._loaded:
             self.counters.add(Count.MD_RELOADED)
             self._unload(peer, "its metadata changed (restarted or re-registered)")
-        with _nixl_call("load metadata", peer):
+        with nixl_call("load metadata", peer):
             got = agent.add_remote_agent(metadata)
         name = got.decode("utf-8", "replace") if isinstance(got, bytes) else str(got)
         if name != peer:
             self.counters.add(Count.MD_NAME_MISMATCH)
             if name not in self._loaded:  # don't keep an agent nobody asked for
-                with _nixl_call("unload misnamed metadata", name):
+                with nixl_call("unload misnamed metadata", name):
                     agent.remove_remote_agent(name)
             raise TransportError(f"load metadata (peer {peer!r}): it names agent {name!r}")
         self._loaded[peer] = metadata
@@ -263,7 +212,7 @@ class NixlTransport:
         self._connected.discard(peer)
         self._loaded.pop(peer, None)
         try:
-            with _nixl_call("remove peer", peer):
+            with nixl_call("remove peer", peer):
                 self._live_agent().remove_remote_agent(peer)
         except PeerUnknown:
             pass  # never loaded, or already removed: removing is idempotent
@@ -280,7 +229,7 @@ class NixlTransport:
         if ready and peer not in self._connected:
             # Eager UCX wire-up, so the first WRITE does not pay the lazy connect.
             self._connected.add(peer)
-            with _nixl_call("make connection", peer):
+            with nixl_call("make connection", peer):
                 agent.make_connection(peer)
         return ready
 
@@ -320,7 +269,7 @@ class NixlTransport:
         agent = self._live_agent()
         src_a, dst_a, nbytes = validate_write_descs(src, dst)
         try:
-            with _nixl_call("prepare write", peer):
+            with nixl_call("prepare write", peer):
                 local = agent.get_xfer_descs(src_a, check_mem_kind(src_mem))
                 remote = agent.get_xfer_descs(dst_a, check_mem_kind(dst_mem))
                 xfer = agent.initialize_xfer("WRITE", local, remote, peer, notif_msg=notif)
@@ -336,7 +285,7 @@ class NixlTransport:
         handle = WriteHandle(peer, nbytes, int(src_a.shape[0]), time.time_ns(), native=xfer)
         self._handles.add(handle)
         try:
-            with _nixl_call("post write", peer):
+            with nixl_call("post write", peer):
                 # NIXL documents "ERR" as a return but raises instead; handle both.
                 state = agent.transfer(xfer, notif_msg=notif)
                 if state == "ERR":
@@ -362,7 +311,7 @@ class NixlTransport:
             raise LocalProtocolError("poll_write on a released, unfinished handle")
         agent = self._live_agent()
         try:
-            with _nixl_call("poll write", handle.peer):
+            with nixl_call("poll write", handle.peer):
                 state = agent.check_xfer_state(handle.native)
                 if state == "ERR":
                     raise TransportError(f"poll write (peer {handle.peer!r}): state ERR")
@@ -376,7 +325,7 @@ class NixlTransport:
     def release(self, handle: WriteHandle) -> None:
         if handle.released:
             return
-        with _nixl_call("release write", handle.peer):
+        with nixl_call("release write", handle.peer):
             # Releasing an unfinished WRITE asks NIXL to cancel it; if it cannot, it
             # raises and the handle stays ours (close() tries again).
             handle.native.release()
@@ -394,7 +343,7 @@ class NixlTransport:
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         agent = self._live_agent()
-        with _nixl_call("send notif", peer):
+        with nixl_call("send notif", peer):
             agent.send_notif(peer, msg)
         # Once the endpoint is wired up the message leaves inside genNotif; before that
         # it waits for progress, so give it one now.
@@ -410,7 +359,7 @@ class NixlTransport:
         kept for the next get_notifs, so progress can be driven from anywhere."""
         agent = self._live_agent()
         self._load_received()  # cheap when empty: one queue check
-        with _nixl_call("get notifs"):
+        with nixl_call("get notifs"):
             new = agent.get_new_notifs()
         if new:
             self._inbox.extend((peer, bytes(m)) for peer, msgs in new.items() for m in msgs)

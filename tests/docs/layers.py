@@ -66,7 +66,7 @@ LAYERS: tuple[Layer, ...] = (
             "telemetry.counts",
         ),
         ("vllm", "torch"),
-        "NIXL only in `nixl.py`, imported lazily",
+        "NIXL called only in `nixl.py`, imported lazily (`nixl_api.py`)",
     ),
     Layer(
         "`connector/transfer/`",

@@ -24,7 +24,7 @@ from connector.core.errors import (
     TransportError,
 )
 from connector.transport.base import Transport
-from connector.transport.nixl import load_nixl_api, map_nixl_error
+from connector.transport.nixl_api import load_nixl_api, map_nixl_error
 from connector.transport.ports import free_port
 
 try:
@@ -90,11 +90,12 @@ def test_module_imports_without_loading_nixl() -> None:
 
 
 def test_missing_wheel_is_a_transport_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import connector.transport.nixl as mod
+    import connector.transport.nixl_api as api
+    from connector.transport.nixl import NixlTransport
 
-    monkeypatch.setattr(mod, "_API_MODULES", ("no_such_nixl._api",))
+    monkeypatch.setattr(api, "_API_MODULES", ("no_such_nixl._api",))
     with pytest.raises(TransportError, match="pip install nixl==1.5.1"):
-        mod.NixlTransport("x", listen_port=0)
+        NixlTransport("x", listen_port=0)
 
 
 def test_nixl_exceptions_map_onto_ours() -> None:

@@ -27,7 +27,8 @@ from nixl_peers import PeerError, PeerProcess  # noqa: E402
 
 from connector.core.errors import PeerUnreachable, TransportError
 from connector.transport.base import WriteHandle
-from connector.transport.nixl import NixlTransport, load_nixl_api  # nixl itself: lazily
+from connector.transport.nixl import NixlTransport  # nixl itself: lazily
+from connector.transport.nixl_api import load_nixl_api
 from connector.transport.ports import free_port
 from connector.transport.sidechannel import SideChannel
 from connector.transport.sidechannel_wire import (
