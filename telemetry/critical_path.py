@@ -1,7 +1,8 @@
 """The critical-path model: one trace -> consecutive segments that sum to the client's TTFT.
 
-Owns: which span edges are the boundaries of each segment, how missing boundaries become one
-"unknown" segment, and the flags for out-of-order (negative) gaps. Pure: takes a
+Owns: the segments of each model, how missing boundaries become one "unknown" segment, and
+the flags for out-of-order (negative) gaps; which span edges are the boundaries is
+path_boundaries.py's. Pure: takes a
 ``telemetry.otlp_json.Trace``, returns frozen values; no I/O, no clock.
 
 Client-observed TTFT is the router ``request`` span's start -> its ``first_chunk`` event. All
@@ -42,6 +43,16 @@ from dataclasses import dataclass
 from enum import Enum
 
 from telemetry.otlp_json import SpanRecord, Trace, shared_span_ids
+from telemetry.path_boundaries import (
+    Boundary,
+    Mark,
+    event_at,
+    first_token_boundaries,
+    of_rank,
+    push_boundaries,
+    router_boundaries,
+    single,
+)
 from telemetry.schema import Attr, Event, RouterMode, Span
 
 PUSH_MODE = RouterMode.PUSH.value
@@ -100,16 +111,6 @@ ROUTER_SEGMENTS: tuple[Seg, ...] = (
 
 
 @dataclass(frozen=True, slots=True)
-class Boundary:
-    """An instant that closes a segment; ``time_ns`` None when it could not be observed."""
-
-    label: str  # e.g. "write.end"
-    time_ns: int | None
-    span: SpanRecord | None
-    ends_span: bool = True  # the span's end (its error, if any, is the segment's); else an event
-
-
-@dataclass(frozen=True, slots=True)
 class Segment:
     name: Seg
     start_ns: int
@@ -126,14 +127,6 @@ class Segment:
     @property
     def negative(self) -> bool:
         return self.end_ns < self.start_ns
-
-
-@dataclass(frozen=True, slots=True)
-class Mark:
-    """An instant worth showing inside a segment (not a boundary)."""
-
-    label: str
-    time_ns: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,133 +163,17 @@ class CriticalPath:
         return out
 
 
-def _start(sp: SpanRecord | None) -> int | None:
-    return sp.start_ns if sp else None
-
-
-def _end(sp: SpanRecord | None) -> int | None:
-    return sp.end_ns if sp else None
-
-
-def _event(sp: SpanRecord | None, name: Event) -> int | None:
-    ev = sp.event(name.value) if sp else None
-    return ev.time_ns if ev else None
-
-
 def _reason(sp: SpanRecord | None) -> str | None:
     if sp is None or not sp.is_error:
         return None
     return str(sp.attr(Attr.REASON.value) or sp.status_message or "error")
 
 
-def _rank(sp: SpanRecord) -> int | None:
-    r = sp.attr(Attr.TP_RANK.value)
-    return int(r) if r is not None else None
-
-
-def _of_rank(spans: Sequence[SpanRecord], rank: int | None) -> SpanRecord | None:
-    """The span of ``rank`` (the last-ending one when ranks are not told apart)."""
-    same = [sp for sp in spans if _rank(sp) == rank]
-    pool = same or list(spans)
-    return max(pool, key=lambda sp: sp.end_ns) if pool else None
-
-
-def _single(
-    trace: Trace, name: Span, anomalies: list[str], last: bool = False
-) -> SpanRecord | None:
-    spans = trace.named(name.value)
-    if len(spans) > 1:
-        which = "last" if last else "first"
-        anomalies.append(f"{len(spans)} {name.value} spans; the {which} one is used")
-    if not spans:
-        return None
-    return spans[-1] if last else spans[0]
-
-
-def _push_boundaries(
-    trace: Trace, anomalies: list[str]
-) -> tuple[list[Boundary], list[Mark], int | None]:
-    # a retried dispatch makes a new prefill leg; the last one is the one that served the request
-    leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
-    writes = trace.named(Span.WRITE.value)
-    prefills = trace.named(Span.PREFILL.value)
-    critical = max(writes, key=lambda sp: sp.end_ns) if writes else _of_rank(prefills, None)
-    rank = _rank(critical) if critical else None
-    prefill = _of_rank(prefills, rank)
-    rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)
-    prep = _of_rank(trace.named(Span.PREPARE_DESCRIPTORS.value), rank)
-    write = _of_rank(writes, rank)
-    first_token = _single(trace, Span.FIRST_TOKEN, anomalies)
-    bounds = [
-        Boundary("prefill_leg.start", _start(leg), leg, False),
-        Boundary("prefill.scheduled", _event(prefill, Event.SCHEDULED), prefill, False),
-        Boundary("prefill.end", _end(prefill), prefill),
-        Boundary("rendezvous_wait.end", _end(rdv), rdv),
-        Boundary("prepare_descriptors.end", _end(prep), prep),
-        Boundary("write.end", _end(write), write),
-        Boundary("first_token.scheduled", _event(first_token, Event.SCHEDULED), first_token, False),
-        Boundary("first_token.end", _end(first_token), first_token),
-    ]
-    marks = [
-        Mark(f"{name.value}.end", sp.end_ns)
-        for name in (Span.REGISTER, Span.AWAIT_KV, Span.FIRST_BYTE)
-        for sp in trace.named(name.value)[:1]
-    ]
-    met = [
-        e.time_ns
-        for e in (rdv.events if rdv else ())
-        if e.name in (Event.REGISTRATION.value, Event.PREFILL_DONE.value)
-    ]
-    if len(met) == 2:  # both sides known: the rest of the wait is P's hand-off to its thread
-        marks.append(Mark("rendezvous met", max(met)))
-    if len(writes) > 1:
-        marks += [
-            Mark(f"write.end (tp_rank {_rank(w)})", w.end_ns) for w in writes if w is not write
-        ]
-    return bounds, marks, rank
-
-
-def _first_token_boundaries(
-    trace: Trace, anomalies: list[str]
-) -> tuple[list[Boundary], list[Mark], int | None]:
-    leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
-    prefills = trace.named(Span.PREFILL.value)
-    prefill = max(prefills, key=lambda sp: sp.end_ns) if prefills else None
-    rank = _rank(prefill) if prefill else None
-    bounds = [
-        Boundary("prefill_leg.start", _start(leg), leg, False),
-        Boundary("prefill.scheduled", _event(prefill, Event.SCHEDULED), prefill, False),
-        Boundary("prefill.end", _end(prefill), prefill),
-        Boundary("prefill_leg.end", _end(leg), leg),
-    ]
-    marks = [  # after the first token: the push and D's first step (token 2)
-        Mark(f"{name.value}.end", sp.end_ns)
-        for name in (Span.WRITE, Span.FIRST_TOKEN)
-        for sp in trace.named(name.value)[:1]
-    ]
-    return bounds, marks, rank
-
-
-def _router_boundaries(
-    trace: Trace, anomalies: list[str]
-) -> tuple[list[Boundary], list[Mark], None]:
-    leg = _single(trace, Span.PREFILL_LEG, anomalies, last=True)
-    first_byte = _single(trace, Span.FIRST_BYTE, anomalies)
-    bounds = [
-        Boundary("prefill_leg.start", _start(leg), leg, False),
-        Boundary("prefill_leg.end", _end(leg), leg),
-        Boundary("first_byte.end", _end(first_byte), first_byte),
-    ]
-    decode = trace.first(Span.DECODE_LEG.value)
-    marks = [Mark("decode_leg.start", decode.start_ns)] if decode else []
-    return bounds, marks, None
-
-
 _Model = Callable[[Trace, list[str]], tuple[list[Boundary], list[Mark], int | None]]
 _MODELS: dict[str, tuple[tuple[Seg, ...], _Model]] = {
-    "push": (PUSH_SEGMENTS, _push_boundaries),
-    "first_token": (FIRST_TOKEN_SEGMENTS, _first_token_boundaries),
-    "router": (ROUTER_SEGMENTS, _router_boundaries),
+    "push": (PUSH_SEGMENTS, push_boundaries),
+    "first_token": (FIRST_TOKEN_SEGMENTS, first_token_boundaries),
+    "router": (ROUTER_SEGMENTS, router_boundaries),
 }
 
 
@@ -339,7 +216,7 @@ def _segments(
 def _router_in(trace: Trace, name: Span, req: SpanRecord, anomalies: list[str]) -> Boundary:
     """The end of the router's ``connect`` or ``ingress`` span; without one, the previous
     boundary's time (a zero-length segment: a connection already open, or an old trace)."""
-    sp = _single(trace, name, anomalies)
+    sp = single(trace, name, anomalies)
     label = f"{name.value.removeprefix('pushkv.')}.end"
     if sp is not None:
         return Boundary(label, sp.end_ns, sp)
@@ -364,7 +241,7 @@ def model_for(mode: str, trace: Trace) -> str:
 def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None:
     """The TTFT decomposition of one trace; None when the trace has no router request span."""
     anomalies: list[str] = []
-    req = _single(trace, Span.REQUEST, anomalies)
+    req = single(trace, Span.REQUEST, anomalies)
     if req is None:
         return None
     shared = shared_span_ids(trace)
@@ -377,7 +254,7 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
     model = model or model_for(mode, trace)
     names, boundaries_of = _MODELS[model]
     bounds, marks, rank = boundaries_of(trace, anomalies)
-    first_chunk = _event(req, Event.FIRST_CHUNK)
+    first_chunk = event_at(req, Event.FIRST_CHUNK)
     end_ns = first_chunk if first_chunk is not None else req.end_ns
     # a first chunk is an event: the request's error (if any) belongs on the segment only
     # when the request ended without one
@@ -390,7 +267,7 @@ def critical_path(trace: Trace, model: str | None = None) -> CriticalPath | None
     start = Boundary("request.start", req.start_ns, req, False)
     router_in = [_router_in(trace, name, req, anomalies) for name in (Span.CONNECT, Span.INGRESS)]
     segments = _segments(names, start, [*router_in, *bounds, end], anomalies)
-    rdv = _of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)  # the critical rank's
+    rdv = of_rank(trace.named(Span.RENDEZVOUS_WAIT.value), rank)  # the critical rank's
     first = rdv.attr(Attr.FIRST_ARRIVED.value) if rdv else None
     return CriticalPath(
         trace_id=trace.trace_id,
