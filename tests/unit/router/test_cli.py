@@ -12,11 +12,30 @@ import time
 
 import httpx
 
-from tests.unit.router.serving import WAIT_S
-
 # A new interpreter importing the router takes about 1.3 s on an idle 2-core box and was
 # seen over 10 s while the suite's vLLM engines held both cores: a bound, not a budget.
-START_S = 60.0
+START_S = 120.0
+STOP_S = 30.0  # its /health answer and its exit on SIGTERM: milliseconds idle, a bound too
+
+
+def _announced_url(fd: int) -> tuple[str | None, bytes]:
+    """The URL uvicorn logs once it listens, read from stderr's raw fd (a buffered
+    ``readline`` after ``select`` can leave that line in Python's buffer, unseen, until the
+    deadline), and all stderr read so far; ``None`` if the process exits or ``START_S``
+    passes first."""
+    deadline, seen = time.monotonic() + START_S, b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if not sel.select(timeout=left):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # the process closed stderr: it died
+            seen += chunk
+            if m := re.search(rb"Uvicorn running on (http://127\.0\.0\.1:\d+)", seen):
+                return m[1].decode(), seen
+    return None, seen
 
 
 def _closed_port() -> int:
@@ -50,22 +69,16 @@ def test_main_serves_and_prints_nothing_to_stdout() -> None:
     )
     try:
         assert proc.stderr is not None
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stderr, selectors.EVENT_READ)
-        deadline, seen, url = time.monotonic() + START_S, b"", None
-        while url is None and time.monotonic() < deadline:
-            if sel.select(timeout=deadline - time.monotonic()):
-                line = proc.stderr.readline()
-                if not line:
-                    break  # the process died
-                seen += line
-                m = re.search(rb"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
-                url = m[1].decode() if m else None
-        assert url, f"router did not start; stderr so far:\n{seen.decode()}"
-        r = httpx.get(f"{url}/health", timeout=WAIT_S, trust_env=False)
+        url, seen = _announced_url(proc.stderr.fileno())
+        assert url, (
+            f"router did not say where it serves within {START_S:.0f} s "
+            f"(exit code {proc.poll()}); stderr so far:\n{seen.decode(errors='replace')}"
+        )
+        r = httpx.get(f"{url}/health", timeout=STOP_S, trust_env=False)
         assert r.status_code == 503 and "no healthy prefill" in r.json()["reason"]
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=WAIT_S)
+        out, rest = proc.communicate(timeout=STOP_S)
+        err = seen + rest
         # uvicorn shuts down gracefully, then re-raises the signal it caught (its design).
         assert proc.returncode in (0, -signal.SIGTERM), err.decode()
         assert b"Finished server process" in err, err.decode()
