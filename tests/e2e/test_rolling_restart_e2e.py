@@ -1,7 +1,8 @@
-"""A rolling restart under load loses no request: 1 P, 2 D and the router on the
-tiny model, clients sending all along; P is drained at the router and SIGTERMed at once
-(its legs and pushes still in flight), restarted and undrained; then the same for one D
-while the other serves.
+"""A rolling restart under load loses no request: 1 P and 2 D on the tiny model (the stack
+the routing tests share, tests/e2e/shared_1p2d.py; this test runs after them) and a router of
+its own with the default policy, clients sending all along; P is drained at the router and
+SIGTERMed at once (its legs and pushes still in flight), restarted and undrained; then the same
+for one D while the other serves.
 
 vLLM runs with ``--shutdown-timeout 5`` (``connector.tools.stack``): on SIGTERM it takes no
 new request and steps until those in flight end; pushkv's transfer thread finishes the WRITEs
@@ -23,22 +24,22 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from connector.tools.hoststack import HostedServer, HostStack, Instance
+from connector.tools.hoststack import HostedServer, HostStack
 from tests.e2e.greedy import assert_matches_reference, greedy_body
+from tests.e2e.shared_1p2d import extra_router
 from tests.e2e.test_push_e2e import post_ok, random_prompt
 
-# Three servers start together, then two restarts one after the other: 7-10 min on the 2-core
-# box shared with other engines (load ~20: starts of 130 s, restarts of 100-190 s); the soak's
-# restart takes 40-60 s on an idle one.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# Two restarts one after the other (and the three servers' start when this test runs alone):
+# 7-10 min on the 2-core box shared with other engines (load ~20: starts of 130 s, restarts of
+# 100-190 s); the soak's restart takes 40-60 s on an idle one.
+pytestmark = [pytest.mark.e2e, pytest.mark.restarts_servers, pytest.mark.timeout(900)]
 
 CLIENTS = 4
 PROMPTS = 8  # distinct prompts (64 tokens), each request one of them under a fresh salt
@@ -64,25 +65,11 @@ class Answer:
         return self.ended - self.started
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model: Path, e2e_log_dir: Path) -> Iterator[HostStack]:
-    s = HostStack(
-        tiny_model,
-        e2e_log_dir / "rolling",
-        prefill_instances=(Instance("0"),),
-        decode_instances=(Instance("1"), Instance("0")),
-        on_hosts=False,
-        kv_load_failure_policy="fail",
-    )
-    try:
-        s.start(START_TIMEOUT_S)
-        print(f"\n[rolling] stack healthy after {s.start_duration_s:.1f} s\n{s.describe()}")
-        for url in (*[x.url for x in s.servers], s.url):  # first requests take seconds
-            with _client(url) as c:
-                post_ok(c, "/v1/completions", greedy_body(random_prompt(20, seed=1)))
-        yield s
-    finally:
-        s.stop()
+@pytest.fixture
+def stack(one_p_two_d: HostStack) -> HostStack:
+    # The 1P2D of tests/e2e/shared_1p2d.py, after the routing tests (this test restarts its
+    # servers); the test sends through a router of its own, with the default policy.
+    return one_p_two_d
 
 
 def _client(url: str) -> httpx.Client:
@@ -201,16 +188,22 @@ def test_rolling_restart_of_p_then_d_under_load_loses_no_request(stack: HostStac
             body = greedy_body(_prompt(p), cache_salt=uuid.uuid4().hex)
             refs.append(post_ok(d, "/v1/completions", body))
     notes, sigterms = [], []
-    with _client(stack.url) as router, Load(stack.url) as load:
-        _wait("the baseline's answers", lambda: load.count() >= BASELINE_ANSWERS, 120)
-        baseline = [a for a in list(load.answers) if a.status == 200]
-        slowest = max(a.took for a in baseline)
-        for role, server in (("prefill", stack.prefills[0]), ("decode", stack.decodes[0])):
-            at, note = _restart(router, load, role, 0, server)
-            sigterms.append((role, at))
-            notes.append(note)
-        since = time.monotonic()
-        _wait("answers after both restarts", lambda: load.count(since=since) >= CLIENTS, 60)
+    prefills, decodes = ([s.url for s in group] for group in (stack.prefills, stack.decodes))
+    with (
+        extra_router(stack, "rolling", prefills, decodes) as own,
+        _client(own.url) as router,
+    ):
+        post_ok(router, "/v1/completions", greedy_body(random_prompt(20, seed=1)))  # warm-up
+        with Load(own.url) as load:
+            _wait("the baseline's answers", lambda: load.count() >= BASELINE_ANSWERS, 120)
+            baseline = [a for a in list(load.answers) if a.status == 200]
+            slowest = max(a.took for a in baseline)
+            for role, server in (("prefill", stack.prefills[0]), ("decode", stack.decodes[0])):
+                at, note = _restart(router, load, role, 0, server)
+                sigterms.append((role, at))
+                notes.append(note)
+            since = time.monotonic()
+            _wait("answers after both restarts", lambda: load.count(since=since) >= CLIENTS, 60)
     answers = load.answers
     longest = max(a.took for a in answers)
     slow = sorted(answers, key=lambda a: a.took)[-3:]
@@ -227,7 +220,10 @@ def test_rolling_restart_of_p_then_d_under_load_loses_no_request(stack: HostStac
     assert not bad, f"requests that failed during the rolling restart: {bad}"
     for n, a in enumerate(answers):
         assert a.body is not None
-        assert_matches_reference(a.body, refs[a.prompt], f"request {n} (prompt {a.prompt})")
+        at = " / ".join(f"{role} SIGTERM {a.started - t:+.2f} s" for role, t in sigterms)
+        finish = a.body["choices"][0].get("finish_reason")
+        what = f"request {n} (prompt {a.prompt}, took {a.took:.2f} s from {at}, {finish})"
+        assert_matches_reference(a.body, refs[a.prompt], what)
     assert longest < slowest + EXTRA_BOUND_S, (
         f"a request took {longest:.2f} s (bound: the baseline's slowest {slowest:.2f} s "
         f"+ {EXTRA_BOUND_S} s)"

