@@ -1,8 +1,9 @@
 """Relaying D's answer to the client, whole or as a stream, while P's leg is watched.
 
 Owns: ``relay`` (D's answer, as the client asked for it), ``relay_stream`` (also the
-first-token mode's continuation) and the rule for a stream that opens with an error event
-(``stream_error``: P's failure when its P is gone, left to the next attempt).
+first-token mode's continuation), the rule for a stream that opens with an error event
+(``stream_error``: P's failure when its P is gone, left to the next attempt) and the rule
+for an answer vLLM aborted before its first token (a D shutting down: the next attempt).
 
 Must not import: uvicorn, ``connector.router.app``.
 """
@@ -45,6 +46,8 @@ async def _relay_whole(a: Attempt, send: Send, resp: Stream, watch: PrefillWatch
     if isinstance(body, PrefillFailed):
         assert watch.failure is not None
         return await a.prefill_failed(send, watch.failure, tail=None)
+    if _aborted_before_a_token(_payloads_whole(body)) and _retry_aborted(a):
+        return
     a.trace.decode_bytes()
     a.d_leg.on(LegEvent.COMPLETED)
     await send(_response_start(a, resp))
@@ -99,6 +102,8 @@ async def relay_stream(
         if not started and (early := _stream_error(a, events)) is not None:
             if await _retry_stream_error(a, early):
                 return
+        if not started and _aborted_before_a_token(_payloads_stream(events)) and _retry_aborted(a):
+            return
         await forward(events)
     await forward(stamp.flush())
     a.d_leg.on(LegEvent.COMPLETED)
@@ -137,4 +142,57 @@ async def _retry_stream_error(a: Attempt, err: UpstreamError) -> bool:
     a.d_leg.on(LegEvent.FAILED, err.message)
     a.cancel_prefill()
     a.retry = Retry(Role.PREFILL, err)
+    return True
+
+
+def _payloads_whole(body: bytes) -> list[Any]:
+    try:
+        return [json.loads(body)]
+    except ValueError:
+        return []
+
+
+def _payloads_stream(events: bytes) -> list[Any]:
+    out: list[Any] = []
+    for event in events.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            try:
+                out.append(json.loads(event[6:]))
+            except ValueError:
+                return []  # a partial event: decide on a later chunk
+    return out
+
+
+def _aborted_before_a_token(payloads: list[Any]) -> bool:
+    """vLLM's answer to a request it aborted before generating anything: every choice ends
+    with ``finish_reason`` "abort" and no text (what a D answers a leg that reached it as
+    it began shutting down). A request with any token is the client's, as is."""
+    choices = [c for p in payloads if isinstance(p, dict) for c in p.get("choices") or ()]
+    if not choices:
+        return False
+    for c in choices:
+        if not isinstance(c, dict) or c.get("finish_reason") != "abort":
+            return False
+        message = c.get("message") or c.get("delta") or {}
+        if c.get("text") or (isinstance(message, dict) and message.get("content")):
+            return False
+    return True
+
+
+def _retry_aborted(a: Attempt) -> bool:
+    """D aborted the request before its first token: True when another attempt will serve
+    it (D is left out of it); else the client gets D's answer as it is."""
+    if not a.may_retry:
+        return False
+    d = a.d.backend
+    err = UpstreamError(
+        503,
+        f"{d.name} aborted the request before its first token (decode transfer_id="
+        f"{a.transfer_id}): shutting down?",
+        backend=d.name,
+    )
+    a.d_leg.on(LegEvent.FAILED, err.message)
+    d.record_leg_failure(suspect=True)
+    a.cancel_prefill()
+    a.retry = Retry(Role.DECODE, err)
     return True

@@ -6,7 +6,8 @@ the gate); ``stream_gate`` (a streamed answer pauses after its first chunk until
 ``waiting`` / ``running`` / ``kv_usage`` / ``metrics_status`` (its /metrics);
 ``crash_mid_stream`` (drop the connection after the first chunk); ``stream_error_first_n``
 (the first n streamed answers are 200 with an error event, as vLLM streams a request that
-failed before its first token); ``coords`` (P's probe
+failed before its first token); ``abort_first_n`` (the first n answers are vLLM's for a
+request it aborted before any token: 200, empty text, finish_reason "abort"); ``coords`` (P's probe
 answer); ``pull_params`` (P's returned ``kv_transfer_params``); ``finish_reason`` of a
 whole answer (``return_token_ids`` adds ``PROMPT_IDS`` and ``[TOKEN_ID]``, and usage).
 Records: every generation request (``requests``, ``probes``) with its body, headers and a
@@ -69,6 +70,7 @@ class MockBackend:
         self.stream_gate: asyncio.Event | None = None
         self.crash_mid_stream = False
         self.stream_error_first_n = 0
+        self.abort_first_n = 0
         self.chunks = list(CHUNKS)
         self.finish_reason = "length"
         self.token_ids = True  # honour return_token_ids
@@ -171,6 +173,13 @@ class MockBackend:
             err = json.dumps({**self.error_body["error"], "code": self.error_status})
             events = [f'data: {{"error": {err}}}\n\n'.encode(), b"data: [DONE]\n\n"]
             return StreamingResponse(iter(events), media_type="text/event-stream")
+        if self.abort_first_n > 0:
+            self.abort_first_n -= 1
+            aborted = {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+            if body.get("stream"):
+                events = [f"data: {json.dumps(aborted)}\n\n".encode(), b"data: [DONE]\n\n"]
+                return StreamingResponse(iter(events), media_type="text/event-stream")
+            return JSONResponse(aborted)
         if body.get("stream"):
             return StreamingResponse(self._stream(request, seen), media_type="text/event-stream")
         answer: dict[str, Any] = {
