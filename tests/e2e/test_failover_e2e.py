@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from connector.tools.pdstack import PdStack
 from telemetry.otlp_json import StatusCode
 from telemetry.schema import Span
 from telemetry.traces import read_run
+from tests.e2e.clients import Load, http_client, wait_restarted, wait_until
 from tests.e2e.greedy import assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import post_ok, random_prompt
 
@@ -88,17 +89,7 @@ def stack(tiny_model: Path, e2e_log_dir: Path) -> Iterator[PdStack]:
 
 
 def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False)
-
-
-def _wait(what: str, pred: Callable[[], object], timeout_s: float, poll_s: float = 0.05) -> float:
-    """The time at which ``pred()`` first held; fails naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not seen within {timeout_s:.0f} s")
-        time.sleep(poll_s)  # pacing of the poll, not synchronisation
-    return time.monotonic()
+    return http_client(url, HTTP_TIMEOUT_S)
 
 
 def _post(c: httpx.Client, body: dict[str, Any], headers: dict[str, str] | None = None) -> Answer:
@@ -114,39 +105,14 @@ def _post(c: httpx.Client, body: dict[str, Any], headers: dict[str, str] | None 
         return Answer(t0, time.monotonic(), repr(exc))
 
 
-class Load:
-    """CLIENTS threads, each sending one request after another until stopped."""
+def _send(c: httpx.Client, k: int, i: int) -> Answer:
+    """Client ``k``'s ``i``-th request: a fresh prompt, streamed by the first STREAMED."""
+    prompt = random_prompt(PROMPT_TOKENS, seed=k * 1_000_000 + i)
+    return _post(c, {**greedy_body(prompt), "logprobs": None, "stream": k < STREAMED})
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.answers: list[Answer] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(CLIENTS)
-        ]
 
-    def _client(self, k: int) -> None:
-        with _client(self.url) as c:
-            i = 0
-            while not self._stop.is_set():
-                i += 1
-                prompt = random_prompt(PROMPT_TOKENS, seed=k * 1_000_000 + i)
-                body = {**greedy_body(prompt), "logprobs": None, "stream": k < STREAMED}
-                self.answers.append(_post(c, body))
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(HTTP_TIMEOUT_S + 10)
-        assert not any(t.is_alive() for t in self._threads), "a client never returned"
-
-    def count(self, since: float = 0.0) -> int:
-        return sum(1 for a in list(self.answers) if a.started >= since)
+def _load(url: str) -> Load[Answer]:
+    return Load(url, CLIENTS, _send, HTTP_TIMEOUT_S)
 
 
 def _leg_ok(stack: PdStack, trace_id: str) -> bool:
@@ -160,20 +126,13 @@ def _prefill_legs(router: httpx.Client) -> int:
     return n
 
 
-def _p_health(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1.0, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def test_kill_p_under_load_fails_over_within_seconds_and_the_restarted_p_is_used_again(
     stack: PdStack,
 ) -> None:
     p = stack.prefill
     held_before = p.log.read_text(errors="replace").count("injected: hold_write")
-    with _client(stack.url) as router, Load(stack.url) as load:
-        _wait("the baseline's answers", lambda: load.count() >= BASELINE_ANSWERS, 120)
+    with _client(stack.url) as router, _load(stack.url) as load:
+        wait_until("the baseline's answers", lambda: load.count() >= BASELINE_ANSWERS, 120)
         baseline = list(load.answers)
         slowest = max(a.took for a in baseline)
         # One request P will hold the WRITE of: it is caught between P and D at the kill.
@@ -183,7 +142,7 @@ def test_kill_p_under_load_fails_over_within_seconds_and_the_restarted_p_is_used
         tp = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
         holder = threading.Thread(target=lambda: held_answer.append(_post(router, body, tp)))
         holder.start()
-        _wait(
+        wait_until(
             "P holding the chosen WRITE",
             lambda: p.log.read_text(errors="replace").count("injected: hold_write") > held_before,
             60,
@@ -191,25 +150,27 @@ def test_kill_p_under_load_fails_over_within_seconds_and_the_restarted_p_is_used
         )
         # P answered that request's leg (the router's span of it ended well) while its KV
         # is still held: killed now, P leaves D waiting for KV that never comes.
-        _wait("the held request's P leg answered", lambda: _leg_ok(stack, trace_id), HOLD_S / 2)
+        wait_until(
+            "the held request's P leg answered", lambda: _leg_ok(stack, trace_id), HOLD_S / 2
+        )
         p.kill()  # SIGKILL of P's whole process group, by its PID
         killed = time.monotonic()
-        _wait("answers while P is down", lambda: load.count(since=killed) >= DOWN_ANSWERS, 120)
+        wait_until("answers while P is down", lambda: load.count(since=killed) >= DOWN_ANSWERS, 120)
         holder.join(HTTP_TIMEOUT_S)
         assert held_answer, "the held request never returned"
         restarted = time.monotonic()
         p.log_path = p.log.parent / "prefill-restarted.log"  # keep the killed run's log
         p.start()
         legs_before = _prefill_legs(router)
-        healthy = _wait("the restarted P's /health", lambda: _p_health(p.url), START_TIMEOUT_S)
+        healthy = wait_restarted("the restarted P", p, START_TIMEOUT_S)
         legs_at_health = _prefill_legs(router)
-        used = _wait(
+        used = wait_until(
             "a leg sent to the restarted P",
             lambda: _prefill_legs(router) > legs_at_health,
             60,
             poll_s=0.02,
         )
-        _wait("answers after P came back", lambda: load.count(since=used) >= CLIENTS, 60)
+        wait_until("answers after P came back", lambda: load.count(since=used) >= CLIENTS, 60)
     answers = load.answers + held_answer
     around = [a for a in answers if a.ended > killed and a.started < killed + AROUND_S]
     down = [a for a in answers if a.started > killed and a.ended < restarted]

@@ -21,10 +21,8 @@ its SIGTERM. Every server is stopped by ``HostStack.stop`` by its process group'
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +30,7 @@ import httpx
 import pytest
 
 from connector.tools.hoststack import HostedServer, HostStack
+from tests.e2e.clients import Load, http_client, wait_restarted, wait_until
 from tests.e2e.greedy import assert_matches_reference, greedy_body
 from tests.e2e.shared_1p2d import extra_router
 from tests.e2e.test_push_e2e import post_ok, random_prompt
@@ -73,62 +72,28 @@ def stack(one_p_two_d: HostStack) -> HostStack:
 
 
 def _client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False)
-
-
-def _wait(what: str, pred: Callable[[], object], timeout_s: float, poll_s: float = 0.05) -> float:
-    """The time at which ``pred()`` first held; fails naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not seen within {timeout_s:.0f} s")
-        time.sleep(poll_s)  # pacing of the poll, not synchronisation
-    return time.monotonic()
+    return http_client(url, HTTP_TIMEOUT_S)
 
 
 def _prompt(i: int) -> list[int]:
     return random_prompt(PROMPT_TOKENS, seed=100 + i)
 
 
-class Load:
-    """CLIENTS threads, each sending one request after another until stopped."""
+def _send(c: httpx.Client, k: int, i: int) -> Answer:
+    """Client ``k``'s ``i``-th request: one of PROMPTS under a fresh cache salt."""
+    p = (k + i * CLIENTS) % PROMPTS
+    body = greedy_body(_prompt(p), cache_salt=uuid.uuid4().hex)
+    t0 = time.monotonic()
+    try:
+        r = c.post("/v1/completions", json=body)
+        out = r.json() if r.status_code == 200 else None
+        return Answer(p, t0, time.monotonic(), r.status_code, out)
+    except (httpx.HTTPError, ValueError) as exc:
+        return Answer(p, t0, time.monotonic(), repr(exc))
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.answers: list[Answer] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(CLIENTS)
-        ]
 
-    def _client(self, k: int) -> None:
-        with _client(self.url) as c:
-            i = 0
-            while not self._stop.is_set():
-                i += 1
-                p = (k + i * CLIENTS) % PROMPTS
-                body = greedy_body(_prompt(p), cache_salt=uuid.uuid4().hex)
-                t0 = time.monotonic()
-                try:
-                    r = c.post("/v1/completions", json=body)
-                    out = r.json() if r.status_code == 200 else None
-                    self.answers.append(Answer(p, t0, time.monotonic(), r.status_code, out))
-                except (httpx.HTTPError, ValueError) as exc:
-                    self.answers.append(Answer(p, t0, time.monotonic(), repr(exc)))
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(HTTP_TIMEOUT_S + 10)
-        assert not any(t.is_alive() for t in self._threads), "a client never returned"
-
-    def count(self, since: float = 0.0) -> int:
-        return sum(1 for a in list(self.answers) if a.started >= since)
+def _load(url: str) -> Load[Answer]:
+    return Load(url, CLIENTS, _send, HTTP_TIMEOUT_S)
 
 
 def _backend(router: httpx.Client, role: str, i: int) -> dict[str, Any]:
@@ -136,15 +101,8 @@ def _backend(router: httpx.Client, role: str, i: int) -> dict[str, Any]:
     return entry
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1.0, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _restart(
-    router: httpx.Client, load: Load, role: str, i: int, server: HostedServer
+    router: httpx.Client, load: Load[Answer], role: str, i: int, server: HostedServer
 ) -> tuple[float, str]:
     """Drain ``server`` at the router, SIGTERM it at once (legs in flight), start it again,
     warm it up and undrain it; wait until the router sends it a leg again. Returns when it
@@ -159,7 +117,7 @@ def _restart(
     server.log_path = server.log.with_name(f"{server.log.stem}-restarted.log")
     server.start()
     t1 = time.monotonic()
-    _wait(f"the restarted {role}'s /health", lambda: _healthy(server.url), START_TIMEOUT_S)
+    wait_restarted(f"the restarted {role}", server, START_TIMEOUT_S)
     healthy = time.monotonic() - t1
     # Warmed up before it takes legs, as an operator's readiness check would: a fresh
     # server's first requests take seconds (13 s seen on a loaded box), not the restart's doing.
@@ -170,7 +128,7 @@ def _restart(
     used = _backend(router, role, i)["dispatched"]
     r = router.post(f"{ADMIN}/{role}/{i}/undrain")
     assert r.status_code == 200 and not r.json()["draining"], r.text
-    _wait(
+    wait_until(
         f"a leg sent to the restarted {role}",
         lambda: _backend(router, role, i)["dispatched"] > used,
         60,
@@ -194,8 +152,8 @@ def test_rolling_restart_of_p_then_d_under_load_loses_no_request(stack: HostStac
         _client(own.url) as router,
     ):
         post_ok(router, "/v1/completions", greedy_body(random_prompt(20, seed=1)))  # warm-up
-        with Load(own.url) as load:
-            _wait("the baseline's answers", lambda: load.count() >= BASELINE_ANSWERS, 120)
+        with _load(own.url) as load:
+            wait_until("the baseline's answers", lambda: load.count() >= BASELINE_ANSWERS, 120)
             baseline = [a for a in list(load.answers) if a.status == 200]
             slowest = max(a.took for a in baseline)
             for role, server in (("prefill", stack.prefills[0]), ("decode", stack.decodes[0])):
@@ -203,7 +161,9 @@ def test_rolling_restart_of_p_then_d_under_load_loses_no_request(stack: HostStac
                 sigterms.append((role, at))
                 notes.append(note)
             since = time.monotonic()
-            _wait("answers after both restarts", lambda: load.count(since=since) >= CLIENTS, 60)
+            wait_until(
+                "answers after both restarts", lambda: load.count(since=since) >= CLIENTS, 60
+            )
     answers = load.answers
     longest = max(a.took for a in answers)
     slow = sorted(answers, key=lambda a: a.took)[-3:]
