@@ -23,7 +23,12 @@ import pytest
 
 from tests.e2e.conftest import running_pd
 from tests.e2e.greedy import assert_matches_reference, greedy_body
-from tests.e2e.test_push_e2e import post_ok, random_prompt, settled_source_tokens, source_tokens
+from tests.e2e.test_push_e2e import (
+    assert_prompt_tokens_from_p,
+    post_ok,
+    random_prompt,
+    source_tokens,
+)
 
 if TYPE_CHECKING:
     from conftest import Pd  # tests/e2e/conftest.py (the fixture's type)
@@ -64,12 +69,7 @@ def test_fp8_kv_greedy_equals_single_instance(pd_fp8: Pd) -> None:
         disagg[n] = post_ok(pd_fp8.router, "/v1/completions", greedy_body(prompt))
         assert disagg[n]["usage"]["prompt_tokens"] == n
     total = sum(PROMPT_LENGTHS)
-    after = settled_source_tokens(pd_fp8.decode, before["external_kv_transfer"] + total)
-    delta = {k: after[k] - before[k] for k in after}
-    # Taken before the references: they compute locally on D.
-    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
-        f"D did not take all {total} prompt tokens from P: {delta}; logs in {run_dir}"
-    )
+    assert_prompt_tokens_from_p(pd_fp8.decode, before, total, f"logs in {run_dir}")
     for n, prompt in prompts.items():
         ref = post_ok(
             pd_fp8.decode, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex)

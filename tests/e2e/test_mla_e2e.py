@@ -35,7 +35,12 @@ from connector.tools.tinyfamilies import mla_latent_width
 from connector.tools.tinymodel import MODELS, make_tiny_model
 from tests.e2e.conftest import running_pd
 from tests.e2e.greedy import assert_matches_reference, greedy_body
-from tests.e2e.test_push_e2e import post_ok, random_prompt, settled_source_tokens, source_tokens
+from tests.e2e.test_push_e2e import (
+    assert_prompt_tokens_from_p,
+    post_ok,
+    random_prompt,
+    source_tokens,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -56,11 +61,7 @@ def _answers(model: Path, run_dir: Path, connector: str) -> dict[int, dict[str, 
         before = source_tokens(pd.decode)
         out = {n: post_ok(pd.router, "/v1/completions", greedy_body(p)) for n, p in PROMPTS.items()}
         total = sum(PROMPT_LENGTHS)
-        after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + total)
-        delta = {k: after[k] - before[k] for k in after}
-        assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
-            f"{connector}: D did not take all {total} prompt tokens from P: {delta}; {run_dir}"
-        )
+        assert_prompt_tokens_from_p(pd.decode, before, total, f"{connector}, {run_dir}")
     for n, answer in out.items():
         assert answer["usage"]["prompt_tokens"] == n
     return out

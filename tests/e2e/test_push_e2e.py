@@ -95,6 +95,20 @@ def settled_source_tokens(client: httpx.Client, expect_external: float) -> dict[
         time.sleep(0.1)
 
 
+def assert_prompt_tokens_from_p(
+    decode: httpx.Client, before: dict[str, float], total: int, where: object
+) -> dict[str, float]:
+    """D's prompt-token counters since ``before``, once settled: all ``total`` tokens came
+    from P and D computed none (take it before any reference request, which computes on D).
+    ``where``: named in the failure (a run folder, a configuration)."""
+    after = settled_source_tokens(decode, before["external_kv_transfer"] + total)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
+        f"D did not take all {total} prompt tokens from P: {delta}; {where}"
+    )
+    return delta
+
+
 def stream_text(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[str, int]:
     """POST with ``stream: true``; the concatenated text of the SSE chunks and their count."""
     parts: list[str] = []
@@ -179,13 +193,8 @@ def check_greedy_equals_single_instance(pd: Pd, lengths: tuple[int, ...]) -> Non
         )
         assert disagg[n]["usage"]["prompt_tokens"] == n
     total = sum(lengths)
-    after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + total)
-    delta = {k: after[k] - before[k] for k in after}
+    delta = assert_prompt_tokens_from_p(pd.decode, before, total, f"logs in {pd.stack.run_dir}")
     print(f"\n[pd] D prompt tokens by source over {total} prompt tokens: {delta}")
-    # Taken before the references: they compute locally on D.
-    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
-        f"D did not take all {total} prompt tokens from P: {delta}; logs in {pd.stack.run_dir}"
-    )
     for n, prompt in prompts.items():
         assert_matches_reference(disagg[n], reference(pd, prompt), f"{n}-token prompt")
 
@@ -221,11 +230,7 @@ def test_negative_control_kv_comes_from_prefill(pd: Pd) -> None:
         p_future = pool.submit(post_ok, pd.prefill, "/v1/completions", p_body)
         got = d_future.result(timeout=120)
         p_future.result(timeout=120)
-    after = settled_source_tokens(pd.decode, before["external_kv_transfer"] + n)
-    delta = {k: after[k] - before[k] for k in after}
-    assert delta["external_kv_transfer"] == n and delta["local_compute"] == 0, (
-        f"D did not take the {n} prompt tokens from P: {delta}; logs in {pd.stack.run_dir}"
-    )
+    assert_prompt_tokens_from_p(pd.decode, before, n, f"logs in {pd.stack.run_dir}")
     ref = reference(pd, d_prompt)
     text, tokens, lps = choice(got)
     ref_text, ref_tokens, ref_lps = choice(ref)

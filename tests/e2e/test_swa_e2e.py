@@ -24,7 +24,12 @@ from connector.tools.stack import ServerError, VllmServer, free_port
 from connector.tools.tinymodel import make_tiny_model
 from tests.e2e.conftest import running_pd
 from tests.e2e.greedy import assert_matches_reference, greedy_body
-from tests.e2e.test_push_e2e import post_ok, random_prompt, settled_source_tokens, source_tokens
+from tests.e2e.test_push_e2e import (
+    assert_prompt_tokens_from_p,
+    post_ok,
+    random_prompt,
+    source_tokens,
+)
 
 if TYPE_CHECKING:
     from conftest import Pd  # tests/e2e/conftest.py (the fixture's type)
@@ -75,11 +80,7 @@ def test_sliding_window_model_without_hma_greedy_equals_single_instance(pd_swa: 
         disagg[n] = post_ok(pd_swa.router, "/v1/completions", greedy_body(prompt))
         assert disagg[n]["usage"]["prompt_tokens"] == n
     total = sum(PROMPT_LENGTHS)
-    after = settled_source_tokens(pd_swa.decode, before["external_kv_transfer"] + total)
-    delta = {k: after[k] - before[k] for k in after}
-    assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
-        f"D did not take all {total} prompt tokens from P: {delta}; logs in {run_dir}"
-    )
+    assert_prompt_tokens_from_p(pd_swa.decode, before, total, f"logs in {run_dir}")
     for n, prompt in prompts.items():
         ref = post_ok(
             pd_swa.decode, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex)
