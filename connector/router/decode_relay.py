@@ -46,7 +46,7 @@ async def _relay_whole(a: Attempt, send: Send, resp: Stream, watch: PrefillWatch
     if isinstance(body, PrefillFailed):
         assert watch.failure is not None
         return await a.prefill_failed(send, watch.failure, tail=None)
-    if _aborted_before_a_token(_payloads_whole(body)) and _retry_aborted(a):
+    if _ABORT in body and _aborted_before_a_token(_payloads_whole(body)) and _retry_aborted(a):
         return
     a.trace.decode_bytes()
     a.d_leg.on(LegEvent.COMPLETED)
@@ -102,7 +102,12 @@ async def relay_stream(
         if not started and (early := _stream_error(a, events)) is not None:
             if await _retry_stream_error(a, early):
                 return
-        if not started and _aborted_before_a_token(_payloads_stream(events)) and _retry_aborted(a):
+        if (
+            not started
+            and _ABORT in events
+            and _aborted_before_a_token(_payloads_stream(events))
+            and _retry_aborted(a)
+        ):
             return
         await forward(events)
     await forward(stamp.flush())
@@ -143,6 +148,10 @@ async def _retry_stream_error(a: Attempt, err: UpstreamError) -> bool:
     a.cancel_prefill()
     a.retry = Retry(Role.PREFILL, err)
     return True
+
+
+# Only an answer naming this reason is parsed again (the relay passes D's bytes through).
+_ABORT = b'"abort"'
 
 
 def _payloads_whole(body: bytes) -> list[Any]:
