@@ -19,11 +19,12 @@ from typing import Any
 from connector.config import PushkvConfig, load_secret
 from connector.core import events as ev
 from connector.core.errors import ConfigError, LayoutError
+from connector.core.geometry import kv_geometry
 from connector.core.heads import head_range
 from connector.core.messages import FailReason, PeerAddr
 from connector.engine_spans import engine_tracer
 from connector.kv_params import agent_name
-from connector.kv_tensors import block_row_views, describe_kv_caches, physical_order
+from connector.kv_tensors import block_row_views, describe_kv_caches, is_latent, physical_order
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
 from connector.transfer.guard import Guard
@@ -32,10 +33,17 @@ from connector.transfer.peers import Peers
 from connector.transfer.polling import Backoff
 from connector.transfer.receiver import Receiver
 from connector.transfer.sender import Sender
-from connector.transfer.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans
+from connector.transfer.spans import (
+    NO_SPANS,
+    PrefillNote,
+    RegisterNote,
+    TransferSpans,
+    geometry_attributes,
+)
 from connector.transfer.thread import TransferThread
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.ports import free_port
+from telemetry.schema import Attr
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +123,8 @@ class WorkerSide:
             self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
         )
         listeners = [x for x in (self._metrics, freed) if x is not None]
-        spans = Tee(self._spans(), *listeners) if listeners else self._spans()
+        traced = self._spans(geometry_attributes(kv_geometry(layout, is_latent(kv_caches))))
+        spans = Tee(traced, *listeners) if listeners else traced
         paths, offer = self._gpu_paths(kv_caches, layout, me)
         sender = receiver = None
         if self.is_producer:
@@ -213,11 +222,13 @@ class WorkerSide:
             consumer=self.is_consumer,
         )
 
-    def _spans(self) -> Any:
+    def _spans(self, kv: dict[Attr, Any]) -> Any:
         tracer = engine_tracer(
             self.engine_id, producer=self.is_producer, host=self.cfg.side_channel_host
         )
-        return NO_SPANS if tracer is None else TransferSpans(tracer, self.engine_id, self.tp_rank)
+        if tracer is None:
+            return NO_SPANS
+        return TransferSpans(tracer, self.engine_id, self.tp_rank, kv=kv)
 
     def handshake(self) -> Handshake | None:
         return self._handshake

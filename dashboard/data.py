@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pandas as pd
 
+from dashboard.transfers import transfer_frame
 from telemetry import perfetto
 from telemetry.critical_path import CriticalPath, Seg, critical_path
 from telemetry.jaeger import JaegerClient
@@ -62,6 +63,11 @@ class RunData:
     segments: pd.DataFrame  # long: trace_id, segment, ms (requests with a TTFT only)
     problems: tuple[str, ...]
     not_requests: int = 0  # traces without a router request span (probes, stray spans): not listed
+
+    @cached_property
+    def transfers(self) -> pd.DataFrame:
+        """One row per P rank's WRITE with its KV geometry (``dashboard.transfers``)."""
+        return transfer_frame(self.traces.values())
 
     @cached_property
     def chrome_trace(self) -> str:

@@ -28,6 +28,7 @@ rank that writes, carrying ``pushkv.tp_rank``; with TP 1 each appears once)::
                                          (events registration, prefill_done; attr first)
         prepare_descriptors [P]          block ids -> NIXL descriptors (blocks/regions/descs)
         write [P]                        WRITE posted -> DONE (bytes, descriptors, GB/s, peer)
+                                         (both: the KV geometry, pushkv.kv.*)
         first_token [D]                  KV complete -> first token out of D's engine
                                          (event scheduled: D scheduled its first step)
         hook_failed [P or D]             only when a connector hook of ours raised for the
@@ -114,6 +115,15 @@ class Attr(str, Enum):
     REGIONS = "pushkv.regions"  # KV regions (layer x part) the transfer spans
     DESCRIPTORS = "pushkv.descriptors"  # NIXL descriptors, after merging contiguous runs
     BYTES = "pushkv.bytes"
+    # P's KV geometry, on `prepare_descriptors` and `write` (connector/core/geometry.py):
+    # why one model's transfers move more bytes than another's
+    KV_LAYERS = "pushkv.kv.layers"
+    KV_FORM = "pushkv.kv.form"  # "heads" (K and V per head) | "latent" (MLA)
+    KV_HEADS = "pushkv.kv.heads"  # KV heads on this rank (MLA's latent: 1)
+    KV_HEAD_SIZE = "pushkv.kv.head_size"  # elements of K (= V) per head, or the latent's
+    KV_DTYPE = "pushkv.kv.dtype"  # "bfloat16", "fp8_e4m3", ...
+    KV_BYTES_PER_TOKEN = "pushkv.kv.bytes_per_token"  # this rank, every layer, K and V
+    KV_BLOCK_TOKENS = "pushkv.kv.block_tokens"  # tokens per kernel block
     GBPS = "pushkv.gbps"
     XFER_PATH = "pushkv.xfer.path"  # "direct" | "ipc" | "staged" (per target, joined by ",")
     XFER_REASON = "pushkv.xfer.reason"  # why that path (connector/core/xfer_path.py)

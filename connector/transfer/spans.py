@@ -4,7 +4,8 @@ scheduler.
 Owns: the notes the engine hands the transfer thread with each event (``PrefillNote``,
 ``RegisterNote``: the trace context and the engine's own timestamps), ``TransferSpans``
 (P: ``prefill``, ``rendezvous_wait``, ``prepare_descriptors``, ``write``; D: ``register``,
-``await_kv``) and ``NO_SPANS`` (tracing off: every hook is a no-op); the engine's own
+``await_kv``), ``geometry_attributes`` (P's KV geometry on its transfer spans) and
+``NO_SPANS`` (tracing off: every hook is a no-op); the engine's own
 spans are ``connector.engine_spans``. Names and keys come from ``telemetry.schema``;
 nothing here touches vLLM or NIXL.
 ``TransferSpans`` is called only from the transfer thread, after the fact: a span is one
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core import events as ev
+from connector.core.geometry import KVGeometry
 from connector.core.messages import FailReason, TraceContext
 from telemetry.emit import emit, parent_of
 from telemetry.schema import Attr, Event, Span
@@ -50,6 +52,19 @@ class RegisterNote:
 
     trace: TraceContext | None
     alloc_ns: int
+
+
+def geometry_attributes(g: KVGeometry) -> dict[Attr, Any]:
+    """The ``pushkv.kv.*`` attributes of P's ``prepare_descriptors`` and ``write``."""
+    return {
+        Attr.KV_LAYERS: g.layers,
+        Attr.KV_FORM: g.form,
+        Attr.KV_HEADS: g.heads,
+        Attr.KV_HEAD_SIZE: g.head_size,
+        Attr.KV_DTYPE: g.dtype or None,
+        Attr.KV_BYTES_PER_TOKEN: g.bytes_per_token,
+        Attr.KV_BLOCK_TOKENS: g.block_tokens,
+    }
 
 
 def _error(reason: FailReason | str | None) -> str | None:
@@ -89,6 +104,8 @@ class TransferSpans:
     tracer: Any
     engine_id: str
     tp_rank: int
+    # P's KV geometry as span attributes, once per layout (``geometry_attributes``)
+    kv: dict[Attr, Any] = field(default_factory=dict)
     _push: OrderedDict[str, _Push] = field(default_factory=OrderedDict)
     _recv: OrderedDict[str, _Receive] = field(default_factory=OrderedDict)
 
@@ -186,6 +203,7 @@ class TransferSpans:
                 Attr.BLOCKS: report.blocks,
                 Attr.DESCRIPTORS: report.descriptors,
                 Attr.REGIONS: report.regions,
+                **self.kv,
             },
             error=None if report.prepared_ns else error,
         )
@@ -207,6 +225,7 @@ class TransferSpans:
                 Attr.XFER_PATH: report.path,
                 Attr.XFER_REASON: report.path_reason or None,
                 Attr.XFER_COPY_MS: report.stage_ms.get("copy"),
+                **self.kv,
             },
             error=error,
         )

@@ -8,7 +8,7 @@ import streamlit as st
 
 from dashboard.data import OK, RunData, percentiles
 from dashboard.state import RUN, Source, initial_source, known_runs, load
-from dashboard.views import chart, sweep_compare
+from dashboard.views import chart, kv, sweep_compare
 from dashboard.views.decomposition import segment_bars
 from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
@@ -80,6 +80,7 @@ def render(run: RunData, params: dict[str, str]) -> None:
         key="compare_table",
         height=35 * (len(rows) + 1) + 3,
     )
+    kv.compare_table(run, other)
     a_name, b_name = f"A: {_short(run.label)}", f"B: {_short(other.label)}"
     ttft = pd.concat([run.requests.assign(run=a_name), other.requests.assign(run=b_name)])
     ttft = ttft.dropna(subset=["ttft_ms"])

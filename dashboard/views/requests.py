@@ -8,7 +8,7 @@ import streamlit as st
 
 from dashboard.data import OK, RunData
 from dashboard.state import share_link, trace_export, trace_id_of
-from dashboard.views import chart
+from dashboard.views import chart, kv
 from dashboard.views.waterfall import row_labels, waterfall_figure
 from telemetry.critical_path import CriticalPath, Seg
 
@@ -148,6 +148,7 @@ def _detail(run: RunData, trace_id: str, params: dict[str, str]) -> None:
             extra.append(f"critical P rank: tp{path.critical_tp_rank}")
         extra += [f"{m.label} at {(m.time_ns - path.start_ns) / 1e6:.3f} ms" for m in path.marks]
         c2.markdown("\n".join(f"- {e}" for e in extra))
+    kv.request_table(run, trace_id)
     with st.expander("Span attributes"):
         labels = row_labels(trace)
         if st.session_state.get("span_pick", 0) >= len(labels):  # kept from a larger trace

@@ -26,6 +26,8 @@ import pytest
 from connector.tools.bench import fidelity
 from connector.tools.bench.vllm_bench import Workload, bench_command, run_bench_serve
 from connector.tools.stack import free_port
+from connector.tools.tinymodel import ARCH, kv_bytes_per_token
+from telemetry.otlp_json import attributes as otlp_attributes
 from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
 from tests.budget import BOUNDS, Budget, RecordProperty
@@ -197,6 +199,26 @@ def check_push_trace(spans: list[dict[str, Any]], client_span: str, what: str) -
         assert attrs(one[name])[Attr.TRANSFER_ID.value] == tid, (what, name)
     assert int(attrs(one[Span.WRITE])[Attr.BYTES.value]) > 0
     assert int(attrs(one[Span.AWAIT_KV])[Attr.P_RANKS.value]) == 1
+    check_kv_geometry(one[Span.PREPARE_DESCRIPTORS], one[Span.WRITE], what)
+
+
+def check_kv_geometry(prep: dict[str, Any], write: dict[str, Any], what: str) -> None:
+    """P's transfer spans carry the tiny model's KV geometry (bf16, P at TP 1), and every
+    token moved its full bytes per token."""
+    want = {
+        Attr.KV_LAYERS.value: ARCH["num_hidden_layers"],
+        Attr.KV_FORM.value: "heads",
+        Attr.KV_HEADS.value: ARCH["num_key_value_heads"],
+        Attr.KV_HEAD_SIZE.value: ARCH["head_dim"],
+        Attr.KV_DTYPE.value: "bfloat16",
+        Attr.KV_BYTES_PER_TOKEN.value: kv_bytes_per_token(ARCH),
+    }
+    for span in (prep, write):
+        typed = otlp_attributes(span.get("attributes", ()))  # ints as ints, not JSON strings
+        got = {k: v for k, v in typed.items() if k in want}
+        assert got == want, (what, span["name"], got)
+        assert typed[Attr.KV_BLOCK_TOKENS.value] > 0, what
+    assert int(attrs(write)[Attr.BYTES.value]) % kv_bytes_per_token(ARCH) == 0, what
 
 
 def traceparent() -> tuple[str, str, str]:

@@ -91,6 +91,18 @@ def test_compare_view_shows_both_runs() -> None:
     assert at.query_params["b_run"] == str(HERE / "gen-pull")
 
 
+def test_the_open_request_and_the_comparison_show_the_kv_geometry() -> None:
+    at = run_app(run=str(HERE / "gen-push-tp2"), view="requests")
+    (kv,) = [d.value for d in at.dataframe if "bytes_per_token" in d.value.columns]
+    assert len(kv) == 2 and set(kv["tp_rank"]) == {0, 1}  # one row per P rank's WRITE
+    assert set(kv["dtype"]) == {"bfloat16"} and (kv["bytes_per_token"] == 8192).all()
+    at = run_app(run=str(HERE / "gen-push"), b_run=str(HERE / "gen-push-tp2"), view="compare")
+    (rows,) = [d.value for d in at.dataframe if "median" in d.value.columns]
+    bpt = rows.set_index("median").loc["KV bytes per token (P ranks summed)"]
+    assert (bpt["A"], bpt["B"]) == (16384, 16384)  # TP 2's ranks sum to the same model
+    assert any("8 layers · 8 heads x 64" in c.value for c in at.caption)
+
+
 def test_link_to_one_request_opens_it() -> None:
     data = load_run_folder(HERE / "gen-push")
     ok = data.requests[data.requests["outcome"] == "ok"].iloc[-1]

@@ -9,7 +9,8 @@ from opentelemetry.trace import StatusCode
 
 from connector.core import events as ev
 from connector.core import messages as m
-from connector.transfer.spans import NO_SPANS, PrefillNote, TransferSpans
+from connector.core.geometry import kv_geometry
+from connector.transfer.spans import NO_SPANS, PrefillNote, TransferSpans, geometry_attributes
 from telemetry.schema import Attr, Event, Span
 from tests.unit.telemetry.memory import Recorder
 from tests.unit.test_endpoints import Pair
@@ -90,6 +91,23 @@ def test_registration_first_every_span_once_with_parents_and_times() -> None:
         assert s.status.status_code is not StatusCode.ERROR, s.name
         assert s.attributes[Attr.OUTCOME.value] == "ok"
         assert s.attributes[Attr.TRANSFER_ID.value] == "t"
+
+
+def test_p_transfer_spans_carry_the_kv_geometry_and_d_spans_do_not() -> None:
+    pair, rec = traced_pair()
+    geometry = kv_geometry(pair.sender.layout)
+    pair.sender.spans = TransferSpans(rec.tracer, "prefill", 0, kv=geometry_attributes(geometry))
+    expect(pair, "t", 40, (9, 3, 5))
+    prefill(pair, "t", 40, (1, 2, 3))
+    pair.pump()
+    kv_keys = {a.value for a in Attr if a.value.startswith("pushkv.kv.")}
+    for name in (Span.PREPARE_DESCRIPTORS, Span.WRITE):
+        attrs = rec.one(name).attributes
+        assert attrs[Attr.KV_BYTES_PER_TOKEN.value] == geometry.bytes_per_token > 0, name
+        assert attrs[Attr.KV_LAYERS.value] == geometry.layers, name
+        assert attrs[Attr.KV_FORM.value] == "heads", name
+    for name in (Span.PREFILL, Span.RENDEZVOUS_WAIT, Span.REGISTER, Span.AWAIT_KV):
+        assert not kv_keys & set(rec.one(name).attributes), name
 
 
 def test_prefill_first_is_named_first() -> None:
