@@ -17,7 +17,7 @@ from dashboard.state import (
     trace_id_of,
     with_trace,
 )
-from dashboard.views import chart, compare, decomposition, requests
+from dashboard.views import chart, compare, decomposition, requests, routing
 from dashboard.views.source import source_params, source_picker
 from telemetry.jaeger import JaegerError
 from telemetry.traces import RunFolderError
@@ -25,6 +25,7 @@ from telemetry.traces import RunFolderError
 VIEWS = {
     "requests": ("Requests", requests.render),
     "decomposition": ("TTFT decomposition", decomposition.render),
+    "routing": ("Routing", routing.render),
     "compare": ("Compare runs", compare.render),
 }
 

@@ -271,6 +271,15 @@ class RouterMode(str, Enum):
     PULL = "pull"  # vLLM's NixlConnector: router spans only
 
 
+class RoutePolicy(str, Enum):
+    """``pushkv.route.policy`` values: the router's ``--policy`` (connector/router/chooser.py's
+    Policy)."""
+
+    LEAST_LOAD = "least-load"  # the router's own count of outstanding legs
+    ENGINE_LOAD = "engine-load"  # the engines' queues and KV usage
+    PREFIX = "prefix"  # the backend holding the prompt's prefix (pushkv.route.prefix_blocks)
+
+
 class Service(str, Enum):
     """Default ``service.name`` per role (``OTEL_SERVICE_NAME`` overrides)."""
 

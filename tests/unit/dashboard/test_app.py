@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -15,7 +17,7 @@ from tests.fixtures.traces import HERE, run_dirs, run_ids
 from tests.fixtures.traces.jaeger_server import FakeJaeger
 
 APP = str(Path(__file__).resolve().parents[3] / "dashboard" / "app.py")
-VIEWS = ["requests", "decomposition", "compare"]
+VIEWS = ["requests", "decomposition", "routing", "compare"]
 
 
 def run_app(**query: str) -> AppTest:
@@ -155,6 +157,30 @@ def jaeger() -> Iterator[FakeJaeger]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("run_dir", run_dirs(), ids=run_ids())
+def test_routing_view_lists_every_request_with_its_kind_of_choice(run_dir: Path) -> None:
+    at = run_app(run=str(run_dir), view="routing")
+    data = load_run_folder(run_dir)
+    assert not at.error
+    requests = at.dataframe[-1].value
+    assert len(requests) == len(data.requests) and set(requests["trace_id"]) == set(
+        data.requests["trace_id"]
+    )
+    assert requests["kind"].notna().all()
+    assert set(at.dataframe[0].value.index) == set(requests["kind"])  # the per-kind table
+    spread = chart(at, "routing_spread_decode")
+    drawn = sum(_numbers(tr["y"]).sum() for tr in spread["data"])
+    assert drawn == len(data.requests)  # every request is in one bar
+    assert {x for tr in spread["data"] for x in tr["x"]} == set(requests["decode"])
+
+
+def _numbers(values: object) -> np.ndarray:
+    """A figure's numeric array: a list, or plotly's typed array ({"dtype", "bdata"})."""
+    if isinstance(values, dict):
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"])
+    return np.asarray(values, dtype=float)
 
 
 @pytest.mark.parametrize("view", VIEWS)

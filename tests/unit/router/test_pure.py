@@ -325,3 +325,11 @@ def test_router_modes_are_the_schema_mode_values() -> None:
     from telemetry.schema import RouterMode
 
     assert {m.value for m in Mode} == {m.value for m in RouterMode}
+
+
+def test_router_policies_are_the_schema_policy_values() -> None:
+    """The dashboard reads pushkv.route.policy with telemetry.schema.RoutePolicy."""
+    from connector.router.chooser import Policy
+    from telemetry.schema import RoutePolicy
+
+    assert {p.value for p in Policy} == {p.value for p in RoutePolicy}
