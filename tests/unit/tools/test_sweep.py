@@ -116,7 +116,7 @@ def test_a_resumed_sweep_runs_only_the_points_without_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ran = _fake_sweep(tmp_path, monkeypatch, {"single": 20.0, "push": 30.0})
-    args = ["--smoke", "--run-dir", str(tmp_path / "run")]
+    args = ["--smoke", "--lengths", "64", "256", "--run-dir", str(tmp_path / "run")]
     assert sweep.main(args) == 0
     assert len(ran) == 8 and ran[0] == ("single", "in64-r2")
     data = json.loads((tmp_path / "run" / "sweep.json").read_text())
@@ -134,7 +134,8 @@ def test_interleave_runs_each_point_on_every_stack_back_to_back_alternating_firs
 ) -> None:
     ran = _fake_sweep(tmp_path, monkeypatch, {"push-ft": 30.0, "push-ft-notrace": 29.0})
     configs = ["--configs", "push-ft", "push-ft-notrace"]
-    args = ["--smoke", *configs, "--interleave", "--run-dir", str(tmp_path / "run")]
+    lengths = ["--lengths", "64", "256"]
+    args = ["--smoke", *configs, *lengths, "--interleave", "--run-dir", str(tmp_path / "run")]
     assert sweep.main(args) == 0
     a, b = "push-ft", "push-ft-notrace"
     assert ran == [
