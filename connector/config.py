@@ -152,10 +152,11 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Transfer metrics for vLLM's /metrics (connector/stats.py, connector/transfer/metrics.py).
     # False: nothing is recorded or reported (measures their cost: ``pushkv bench``).
     metrics: bool = True
-    # KV integrity (docs/operations.md#kv-integrity): P sends a CRC-32 of the KV it pushes
-    # with one transfer in this many (1: every one; 0: off); D, with it above 0, checks
-    # each digest it gets and fails a load whose blocks differ (checksum_mismatch): vLLM's
-    # kv_load_failure_policy then recomputes or fails the request. KV in DRAM only for now.
+    # KV integrity (docs/operations.md#kv-integrity): P sends a digest of the KV it pushes
+    # with one transfer in this many (1: every one; 0: off): CRC-32 between host memories,
+    # a device-side weighted sum (wsum64) where either side's KV is in GPU memory; D, with
+    # it above 0, checks each digest it gets and fails a load whose blocks differ
+    # (checksum_mismatch): vLLM's kv_load_failure_policy then recomputes or fails the request.
     kv_checksum_every: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __repr__(self) -> str:  # never print an inline secret in a log line

@@ -252,7 +252,7 @@ class Count(str, Enum):
     LATE_WRITES = "late_writes"
     # KV integrity (kv_checksum_every, connector/transfer/integrity.py)
     KV_DIGESTS = "kv_digests"  # P: a WRITE's completion carries a digest of its KV
-    KV_DIGESTS_SKIPPED = "kv_digests_skipped"  # P: sampled, but its KV is not in DRAM
+    KV_DIGESTS_SKIPPED = "kv_digests_skipped"  # P: sampled, but it cannot compute the digest
     KV_CHECK = "kv_check_"  # D: a completion's digest checked, by verdict (ok, mismatch...)
 
 

@@ -22,7 +22,7 @@ from connector.core.layout import KVLayout
 from connector.core.receiver_table import ReceiverTable
 from connector.core.state import ReceiverPolicy
 from connector.transfer.guard import Guard
-from connector.transfer.integrity import Check, verify
+from connector.transfer.integrity import Check, verdict
 from connector.transfer.peers import NotSent, Peers
 from connector.transfer.spans import NO_SPANS, RegisterNote
 from connector.transfer.topology import RankInfo
@@ -63,6 +63,7 @@ class Receiver:
         ``verify_checksums``: check the digest a completion carries against D's blocks; a
         mismatch fails the load (``checksum_mismatch``). Off: digests are ignored."""
         self._verify = verify_checksums
+        self._skips: set[str] = set()  # why digests went unchecked, each logged once
         layout.validate()
         self._codec = guard if guard is not None else Guard()  # seals when a secret is set
         self._clock = clock
@@ -113,16 +114,20 @@ class Receiver:
 
     def _check(self, exp: ev.Expected, msg: m.Completion) -> Check:
         """Verify a completion's digest against our blocks (the WRITE has landed)."""
-        check = verify(self.layout, exp, msg.digest)
+        check, why = verdict(self.layout, exp, msg.digest)
         self.counters.add(Count.KV_CHECK, check.value)
         self.spans.kv_checked(msg.transfer_id, check.value)
         if check is Check.MISMATCH:
             logger.error(
-                "Transfer %s: the KV from P rank %d does not match its checksum; the load "
-                "fails (checksum_mismatch)",
+                "Transfer %s: the KV from P rank %d does not match its checksum (%s); the "
+                "load fails (checksum_mismatch)",
                 msg.transfer_id,
                 msg.p_rank,
+                why,
             )
+        elif check is Check.SKIPPED and msg.digest is not None and why not in self._skips:
+            self._skips.add(why)  # once per reason: it holds for every digest of its kind
+            logger.warning("KV digests of algorithm %s are not checked: %s", msg.digest.algo, why)
         return check
 
     def poll(self, now_ns: int) -> None:

@@ -336,14 +336,40 @@ class Sender:
             )
         )
 
-    def _digest(self, tid: str, pieces: Pieces, heads: HeadRange) -> m.KvDigest | None:
+    def _digest(
+        self, tid: str, pieces: Pieces, heads: HeadRange, dst_mem: str
+    ) -> m.KvDigest | None:
         """The KV's digest for D to check, where this transfer is sampled (before the WRITE
         is posted: the digest travels in its own notification)."""
         if not sampled(tid, self._checksum_every) or pieces.count == 0:
             return None
-        digest = source_digest(self.layout, pieces, heads)
+        digest = source_digest(self.layout, pieces, heads, dst_mem)
         self.counters.add(Count.KV_DIGESTS if digest is not None else Count.KV_DIGESTS_SKIPPED)
         return digest
+
+    def _path_digest(
+        self, tid: str, reg: m.Register, src_blocks: ev.BlockTable, heads: HeadRange
+    ) -> m.KvDigest | None:
+        """The digest of a write on another path than direct (IPC): the same bytes in the
+        same order as direct would write them, so D checks them alike. Planned only for a
+        sampled transfer (the plan is what such paths skip for speed)."""
+        if not sampled(tid, self._checksum_every):
+            return None
+        try:
+            pieces = plan_transfer(
+                self.layout,
+                src_blocks,
+                reg.layout,
+                reg.block_ids,
+                first_token=reg.first_token,
+                num_tokens=reg.num_tokens,
+                heads=heads,
+            )
+        except LayoutError as exc:  # the path copies what the planner cannot describe
+            logger.warning("Transfer %s: no KV digest on its path: %s", tid, exc)
+            self.counters.add(Count.KV_DIGESTS_SKIPPED)
+            return None
+        return self._digest(tid, pieces, heads, reg.layout.mem_type)
 
     def _count_send_failure(self, exc: TransportError) -> None:
         self.counters.add(Count.SEND_FAILED)
@@ -431,7 +457,8 @@ class Sender:
             return
         if pieces is None:  # another path than direct: no descriptors were planned
             assert self.paths is not None and choice is not None
-            notif = self._completion(w.report.transfer_id, choice.bytes_total, 0)
+            digest = self._path_digest(w.report.transfer_id, reg, src_blocks, heads)
+            notif = self._completion(w.report.transfer_id, choice.bytes_total, 0, digest)
             try:
                 w.report.posted_ns = w.report.posted_ns or time.time_ns()
                 w.others.append(self.paths.start(choice, reg, src_blocks, heads, notif))
@@ -440,9 +467,8 @@ class Sender:
                 self._note_failure(w, m.FailReason.POST_ERROR, TransportError(str(exc)))
             return
         tid = w.report.transfer_id
-        notif = self._completion(
-            tid, pieces.bytes_total, pieces.count, self._digest(tid, pieces, heads)
-        )
+        digest = self._digest(tid, pieces, heads, reg.layout.mem_type)
+        notif = self._completion(tid, pieces.bytes_total, pieces.count, digest)
         try:
             if pieces.count == 0:  # D already holds every token: nothing to move, say so
                 self._t.send_notif(reg.d_addr.agent, notif)

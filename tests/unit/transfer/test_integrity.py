@@ -21,6 +21,7 @@ from connector.core import messages as m
 from connector.core.digest_ranges import dest_runs
 from connector.core.plan import plan_transfer
 from connector.tools.loopback import RankSpec
+from connector.transfer import integrity
 from connector.transfer.integrity import Check, digest_runs, sampled, source_digest, verify
 from connector.transfer.topology import Topology
 from telemetry.schema import Count
@@ -36,6 +37,7 @@ def _copy(pieces) -> None:  # type: ignore[no-untyped-def]
         ctypes.memmove(d, s, n)
 
 
+@pytest.mark.parametrize("d_mem", ["DRAM", "VRAM"])  # D in GPU memory: P sends wsum64
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "p_order", "d_order", "p_bs", "d_bs", "first_token"),
     [
@@ -46,8 +48,18 @@ def _copy(pieces) -> None:  # type: ignore[no-untyped-def]
     ],
 )
 def test_each_p_ranks_digest_matches_d_and_a_flipped_byte_fails_only_its_writer(
-    p_tp: int, d_tp: int, p_order: str, d_order: str, p_bs: int, d_bs: int, first_token: int
+    p_tp: int,
+    d_tp: int,
+    p_order: str,
+    d_order: str,
+    p_bs: int,
+    d_bs: int,
+    first_token: int,
+    d_mem: str,
 ) -> None:
+    """With ``d_mem`` VRAM P digests with wsum64 (on CPU torch here: its buffers are host
+    memory) and D, whose real buffers are host memory too, checks it there."""
+
     def spec(role: str, rank: int, tp: int, order: str, bs: int) -> RankSpec:
         return RankSpec(role, role, rank, tp, 1, order=order, block_size=bs, seed=3)  # type: ignore[arg-type]
 
@@ -75,9 +87,10 @@ def test_each_p_ranks_digest_matches_d_and_a_flipped_byte_fails_only_its_writer(
                 heads=heads,
             )
             _copy(pieces)
-            digests[p] = source_digest(p_lays[p], pieces, heads)
+            digests[p] = source_digest(p_lays[p], pieces, heads, d_mem)
         for digest in digests.values():
             assert digest is not None and digest.nbytes > 0
+            assert digest.algo == ("crc32" if d_mem == "DRAM" else "wsum64")
             assert verify(d_lays[d], exp, digest) is Check.OK
         victim = min(digests)
         assert digests[victim] is not None
@@ -152,7 +165,15 @@ def _flip_before_completion(pair: Pair, block: int) -> list[int]:
     return flipped
 
 
-def test_a_flipped_byte_fails_the_load_with_its_reason() -> None:
+@pytest.fixture(params=["crc32", "wsum64"])
+def algo(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The algorithm P picks; wsum64 stands in for KV in GPU memory (the same code, read by
+    CPU torch here), where the fake transport's buffers are host memory."""
+    monkeypatch.setattr(integrity, "algo_for", lambda src_mem, dst_mem: request.param)
+    return str(request.param)
+
+
+def test_a_flipped_byte_fails_the_load_with_its_reason(algo: str) -> None:
     pair = _checked(Pair())
     flipped = _flip_before_completion(pair, 9)
     pair.expect("t", 40, (9, 3, 5))
@@ -166,7 +187,7 @@ def test_a_flipped_byte_fails_the_load_with_its_reason() -> None:
     assert pair.receiver.counters.of(Count.RECV_FAILED, "checksum_mismatch") == 1
 
 
-def test_intact_kv_passes_and_checks_off_ignore_the_digest() -> None:
+def test_intact_kv_passes_and_checks_off_ignore_the_digest(algo: str) -> None:
     for d_verify in (True, False):
         pair = _checked(Pair(), d_verify=d_verify)
         pair.expect("t", 40, (9, 3, 5))
@@ -175,6 +196,8 @@ def test_intact_kv_passes_and_checks_off_ignore_the_digest() -> None:
         assert [(r.ok, r.reason) for r in pair.receiver.finished] == [(True, None)]
         assert pair.receiver.counters.of(Count.KV_CHECK, "ok") == (1 if d_verify else 0)
         assert pair.sender.counters.of(Count.KV_DIGESTS) == 1
+        (posted,) = pair.fabric.posted
+        assert algo.encode() in posted.notif  # the algorithm travels with the digest
 
 
 def test_a_p_without_digests_is_skipped_not_failed() -> None:

@@ -296,3 +296,39 @@ def test_the_mapping_of_a_dead_d_is_released() -> None:
     pair.paths.offered(D_ADDR.agent, offer)  # this process: alive, kept
     pair.paths.poll(now_ns=10**13)
     assert D_ADDR.agent in pair.paths._mapped
+
+
+@pytest.mark.parametrize("algo", ["crc32", "wsum64"])
+def test_an_ipc_write_carries_a_digest_that_d_checks_and_a_flipped_byte_fails(
+    monkeypatch: pytest.MonkeyPatch, algo: str
+) -> None:
+    """kv_checksum_every on the IPC path: P digests its source bytes in D's order (planned
+    for the digest only), D checks its blocks when the done arrives. On CPU the caches are
+    host memory; wsum64 (what GPU memory gets) is forced to run the same code here."""
+    from connector.transfer import integrity
+    from telemetry.schema import Count
+
+    monkeypatch.setattr(integrity, "algo_for", lambda src_mem, dst_mem: algo)
+    for flip in (False, True):
+        pair = GpuPair("ipc")
+        pair.sender._checksum_every, pair.receiver._verify = 1, True  # kv_checksum_every: 1
+        inner = pair.td.get_notifs
+
+        def get_notifs(
+            pair: GpuPair = pair, inner: Any = inner, flip: bool = flip
+        ) -> list[tuple[str, bytes]]:
+            out = inner()
+            if flip and any(isinstance(m.decode(f), m.Completion) for _, f in out):
+                pair.d_raw.view(B, -1)[11, 3] ^= 0xFF  # a byte of a block P wrote
+            return out
+
+        pair.td.get_notifs = get_notifs  # type: ignore[method-assign]
+        pair.transfer("t1", (7, 2, 9), (4, 11, 0), 10)
+        (report,) = pair.reports
+        assert report.path == "ipc" and pair.sender.counters.of(Count.KV_DIGESTS) == 1
+        (got,) = pair.receiver.finished
+        if flip:
+            assert not got.ok and got.reason is m.FailReason.CHECKSUM_MISMATCH
+            assert pair.receiver.counters.of(Count.KV_CHECK, "mismatch") == 1
+        else:
+            assert got.ok and pair.receiver.counters.of(Count.KV_CHECK, "ok") == 1
