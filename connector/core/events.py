@@ -18,9 +18,11 @@ BlockTable = tuple[tuple[int, ...], ...]
 # ---------------------------------------------------------------- P side (sender) events
 @dataclass(frozen=True)
 class Registered:
-    """A D rank's registration arrived."""
+    """A D rank's registration arrived. ``since_ns``: the earliest it can have arrived (the
+    transport's previous read; a P that was stopped reads it late), None: when handled."""
 
     reg: Register
+    since_ns: int | None = None
 
 
 @dataclass(frozen=True)

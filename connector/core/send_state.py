@@ -100,7 +100,8 @@ def _write_timeout(rec: SendRecord, ctx: SendCtx) -> int:
     return own if rec.write_bound_ns is None else min(own, rec.write_bound_ns)
 
 
-def _add_registration(rec: SendRecord, reg: Register, ctx: SendCtx) -> None:
+def _add_registration(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> None:
+    reg = e.reg
     targets = ctx.targets_for(reg.d_tp_size)
     if rec.expected_d_ranks is None:
         rec.expected_d_ranks = targets
@@ -113,9 +114,11 @@ def _add_registration(rec: SendRecord, reg: Register, ctx: SendCtx) -> None:
             f"{reg.transfer_id}: duplicate registration of D rank {reg.d_rank}"
         )
     rec.registrations[reg.d_rank] = reg
-    # ttl_ms is what remained of D's wait when it sent this: counted from our receipt, it
-    # ends no earlier than D's own deadline, and later only by the message's delay.
-    post_by = ctx.now_ns + reg.ttl_ms * 1_000_000
+    # ttl_ms is what remained of D's wait when it sent this: counted from the earliest it
+    # can have arrived, it ends later than D's own deadline only by the message's delay on
+    # the wire, not by time we spent stopped with it unread (earlier by at most one poll).
+    since = ctx.now_ns if e.since_ns is None else min(ctx.now_ns, e.since_ns)
+    post_by = since + reg.ttl_ms * 1_000_000
     rec.post_by_ns = post_by if rec.post_by_ns is None else min(rec.post_by_ns, post_by)
     if reg.write_timeout_ms is not None:
         bound = reg.write_timeout_ms * 1_000_000
@@ -176,7 +179,7 @@ def _prefill_into(rec: SendRecord, e: ev.PrefillDone) -> None:
 def _s_registered_registered(
     rec: SendRecord, e: ev.Registered, ctx: SendCtx
 ) -> list[ev.SendAction]:
-    _add_registration(rec, e.reg, ctx)
+    _add_registration(rec, e, ctx)
     rec.deadline_ns = _capped(rec, max(rec.deadline_ns, ctx.now_ns + _reg_ttl(e.reg, ctx)))
     return []
 
@@ -235,7 +238,7 @@ def _s_registered_deadline(rec: SendRecord, e: DeadlinePassed, ctx: SendCtx) -> 
 
 
 def _s_prefilled_registered(rec: SendRecord, e: ev.Registered, ctx: SendCtx) -> list[ev.SendAction]:
-    _add_registration(rec, e.reg, ctx)
+    _add_registration(rec, e, ctx)
     if _all_registered(rec):
         return _issue(rec, ctx)
     rec.deadline_ns = _capped(rec, rec.deadline_ns)
@@ -365,7 +368,7 @@ SEND_NEW: dict[type, Callable[[Any, SendCtx], tuple[SendRecord, list[ev.SendActi
 
 def _new_registered(e: ev.Registered, ctx: SendCtx) -> tuple[SendRecord, list[ev.SendAction]]:
     rec = SendRecord(e.reg.transfer_id, SendState.REGISTERED, ctx.now_ns + _reg_ttl(e.reg, ctx))
-    _add_registration(rec, e.reg, ctx)
+    _add_registration(rec, e, ctx)
     rec.deadline_ns = _capped(rec, rec.deadline_ns)
     return rec, []
 

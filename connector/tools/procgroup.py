@@ -2,7 +2,9 @@
 
 Owns: ``group_pids``, ``group_rss_bytes`` and ``group_cpu_s`` (the live processes of a group,
 their summed RSS and CPU time: a vLLM server is an API process, an engine core and workers),
-and ``stop_process_group`` (SIGTERM the leader, then the group, then SIGKILL; reaped).
+``group_states`` and ``group_stopped`` (the whole group frozen by SIGSTOP, as on a hung host,
+and continued on the way out) and ``stop_process_group`` (SIGTERM the leader, then the group,
+then SIGKILL; reaped).
 Linux only; needs nothing but the standard library.
 """
 
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -53,6 +56,29 @@ def group_pids(pgid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue  # exited while we looked
     return pids
+
+
+def group_states(pgid: int) -> dict[int, str]:
+    """Each live process of group ``pgid`` and its state letter (``T``: stopped by a signal)."""
+    states = {}
+    for pid in group_pids(pgid):
+        try:
+            states[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # exited while we looked
+    return states
+
+
+@contextlib.contextmanager
+def group_stopped(pgid: int) -> Iterator[None]:
+    """SIGSTOP every process of group ``pgid`` (a hung host: sockets stay open, nothing
+    answers) for the block, and SIGCONT them on the way out, whatever the block raised."""
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed meanwhile: nothing to continue
+            os.killpg(pgid, signal.SIGCONT)
 
 
 def group_cpu_s(pgid: int) -> float:

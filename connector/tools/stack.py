@@ -38,6 +38,7 @@ from connector.tools.procgroup import (
     group_cpu_s,  # noqa: F401
     group_pids,  # noqa: F401
     group_rss_bytes,
+    group_stopped,
     stop_process_group,
 )
 from connector.transport.ports import free_port, port_is_free  # noqa: F401
@@ -198,6 +199,13 @@ class ChildProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """The whole process group stopped (SIGSTOP) for a ``with`` block and continued
+        (SIGCONT) after it, even when the block raises: a hung host (fault tests)."""
+        if self._proc is None:
+            raise ServerError(f"{self.kind} on port {self.port} is not running")
+        return group_stopped(self._proc.pid)
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once, as a crash would (fault tests); the

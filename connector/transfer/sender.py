@@ -160,7 +160,10 @@ class Sender:
             self.spans.prefill_submitted(event, note, deferred=ready is not None)
         self._run(self.table.handle(event, now_ns), now_ns)
 
-    def on_message(self, agent: str, msg: m.Message, now_ns: int) -> None:
+    def on_message(
+        self, agent: str, msg: m.Message, now_ns: int, since_ns: int | None = None
+    ) -> None:
+        """``since_ns``: the earliest ``msg`` can have arrived (``ev.Registered``)."""
         if (
             isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer))
             and msg.d_addr.agent != agent
@@ -183,7 +186,7 @@ class Sender:
             except LayoutError:
                 pass  # the transfer fails with LAYOUT_MISMATCH when it is posted
             self.spans.registration(msg.transfer_id, msg.trace, time.time_ns())
-            self._run(self.table.handle(ev.Registered(msg), now_ns), now_ns)
+            self._run(self.table.handle(ev.Registered(msg, since_ns), now_ns), now_ns)
         elif isinstance(msg, m.Cancel):
             self._run(
                 self.table.handle(

@@ -152,6 +152,8 @@ class TransferThread:
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self._closing_at: int | None = None  # from then on: shutting down (our clock)
+        # When we last read the transport: what the next read returns arrived after it.
+        self._read_ns: int | None = None
         self._closed = False  # _closing_at has passed: each poll ends what waits
         self._drained: list[threading.Event] = []
         self.counters: Counts = Counts()
@@ -363,15 +365,19 @@ class TransferThread:
                 break
             active = True
             self._dispatch_event(event, ready, note, now)
+        # What this read returns arrived after the previous one began: a registration read
+        # late because we did not run (stopped) counts its ttl from there (send_state.py).
+        since, self._read_ns = self._read_ns, self._clock()
         try:
             notifs = self._t.get_notifs()
         except TransportError as exc:
             self.counters.add(Count.GET_NOTIFS_FAILED)
             logger.warning("Reading notifications failed: %s", exc)
             notifs = []
+        now = self._clock()  # after the read: time we were stopped inside it counts
         for agent, frame in notifs:
             active = True
-            self._dispatch_frame(agent, frame, now)
+            self._dispatch_frame(agent, frame, now, since)
         self._peers.poll(now)
         if self.sender is not None:
             self.sender.poll(now)
@@ -452,7 +458,7 @@ class TransferThread:
             self.counters.add(Count.EVENT_ERRORS)
             logger.exception("Handling %s failed", event)
 
-    def _dispatch_frame(self, agent: str, frame: bytes, now: int) -> None:
+    def _dispatch_frame(self, agent: str, frame: bytes, now: int, since: int | None = None) -> None:
         if not m.is_frame(frame):
             self.counters.add(Count.FOREIGN_NOTIFS)
             return
@@ -465,15 +471,17 @@ class TransferThread:
             self.counters.add(Count.UNAUTHENTICATED_NOTIFS)
             return
         if isinstance(msg, (m.Register, m.Cancel, m.Heartbeat, m.IpcOffer)):
-            target: Sender | Receiver | None = self.sender
-        else:
-            target = self.receiver
-            if isinstance(msg, (m.Completion, m.Fail)) and self._incoming is not None:
-                self._incoming.landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
-        if target is None:
+            if self.sender is None:
+                self.counters.add(Count.MISROUTED_NOTIFS)
+                return
+            self.sender.on_message(agent, msg, now, since)
+            return
+        if isinstance(msg, (m.Completion, m.Fail)) and self._incoming is not None:
+            self._incoming.landed(write_key(msg.p_rank, msg.transfer_id), now / 1e9)
+        if self.receiver is None:
             self.counters.add(Count.MISROUTED_NOTIFS)
             return
-        target.on_message(agent, msg, now)
+        self.receiver.on_message(agent, msg, now)
 
     def _drop(self, counter: Count, fmt: str, *args: Any) -> None:
         """Count a dropped message; log the 1st, 2nd, 4th, 8th... so a flood stays quiet."""

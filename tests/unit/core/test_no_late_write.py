@@ -77,6 +77,23 @@ def test_no_write_starts_after_the_registrations_ttl_even_before_the_tick() -> N
     assert rec is not None and rec.state is SendState.EXPIRED and not rec.write_issued
 
 
+def test_a_registration_read_late_counts_its_ttl_from_ps_previous_read() -> None:
+    # P read its transport at 0, then did not run (stopped) until 150 ms: the registration D
+    # sent meanwhile with 100 ms left is read at 150 ms, when D may have freed its blocks.
+    p = _sender()
+    p.handle(ev.PrefillDone("t0", "req", ((3, 4),), 32), 0)
+    out = p.handle(ev.Registered(_register(0, ttl_ms=100, write_ms=40), since_ns=0), 150 * MS)
+    assert _kinds(out) == [ev.FreeBlocks, ev.SendFail]
+    assert out[1].reason is FailReason.REGISTRATION_EXPIRED
+    # Read soon after P's previous read, the same registration is written.
+    p = _sender()
+    p.handle(ev.PrefillDone("t0", "req", ((3, 4),), 32), 0)
+    out = p.handle(
+        ev.Registered(_register(0, ttl_ms=100, write_ms=40), since_ns=149 * MS), 150 * MS
+    )
+    assert _kinds(out) == [ev.IssueWrite]
+
+
 def test_heartbeats_renew_a_registration_but_never_past_its_ttl() -> None:
     p = SenderTable(lambda _tp: frozenset({0}), SenderPolicy(max_registration_ttl_ns=30 * MS))
     p.handle(ev.Registered(_register(0, ttl_ms=100, write_ms=40)), 0)
