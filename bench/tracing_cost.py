@@ -35,7 +35,7 @@ from connector.core import events as ev
 from connector.core.messages import PeerAddr, TraceContext
 from connector.engine_spans import emit_first_token
 from connector.router.tracing import RequestTrace
-from connector.transfer.sender import WriteReport
+from connector.transfer.send_records import WriteReport
 from connector.transfer.spans import NO_SPANS, PrefillNote, RegisterNote, TransferSpans
 from telemetry.span_pipe import PipeSpanProcessor
 

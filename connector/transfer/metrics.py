@@ -134,7 +134,7 @@ class RankMetrics:
         self._registered.pop(tid, None)
 
     def write_finished(self, report: Any) -> None:
-        """P: a transfer's WRITEs ended (``connector.transfer.sender.WriteReport``)."""
+        """P: a transfer's WRITEs ended (``connector.transfer.send_records.WriteReport``)."""
         ready = self._ready.pop(report.transfer_id, 0)
         registered = self._registered.pop(report.transfer_id, 0)
         if not report.ok:

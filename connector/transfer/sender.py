@@ -1,102 +1,48 @@
 """P's side of the push protocol, run on the transfer thread.
 
-Owns: turning the rendezvous table's actions into transport work (descriptor prep, WRITE
-posts, notifications) and transport outcomes back into table events, and one record per
-transfer whose WRITE this rank runs (``_Transfer``, its ``Phase``): the table decides when
-a WRITE starts and ends; the record holds how far its transport work has got. Touches the
-transport only through the Transport protocol; never vLLM. One thread calls it.
+Owns: turning the rendezvous table's actions into transport work (WRITE posts,
+notifications) and transport outcomes back into table events, moving each transfer's
+record (``connector.transfer.send_records``) as its WRITE goes: the table decides when a
+WRITE starts and ends; the record holds how far its transport work has got. Planning is
+``write_plan``'s, the notices' frames ``notices``'. Touches the transport only through the
+Transport protocol; never vLLM. One thread calls it.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import LayoutError, PeerDisconnected, TransportError
 from connector.core.heads import HeadRange
-from connector.core.layout import KVLayout, check_same_dtype
-from connector.core.plan import Pieces, plan_transfer
+from connector.core.layout import KVLayout
 from connector.core.sender_table import SenderTable
 from connector.core.state import SenderPolicy
-from connector.core.xfer_path import PathChoice, XferPath
 from connector.transfer.doorbell import DONE, WRITE, write_key
 from connector.transfer.guard import Guard
-from connector.transfer.integrity import sampled, source_digest
+from connector.transfer.notices import Notices
 from connector.transfer.paths import Paths, PathWrite
 from connector.transfer.peers import Peers
+from connector.transfer.send_records import Phase, ReadyCheck, Transfers, Write, WriteReport
 from connector.transfer.spans import NO_SPANS, PrefillNote
 from connector.transfer.topology import RankInfo, Topology
+from connector.transfer.write_plan import (
+    LayoutCheck,
+    TargetPlan,
+    account,
+    new_report,
+    plan_writes,
+)
 from connector.transport.base import Transport, WriteHandle
 from telemetry.counts import Counts
 from telemetry.schema import Count
 
 logger = logging.getLogger(__name__)
-
-ReadyCheck = Callable[[], bool]
-
-
-@dataclass
-class WriteReport:
-    """What one transfer's WRITEs did; handed to ``on_write_finished`` (spans, stats)."""
-
-    transfer_id: str
-    request_id: str
-    ok: bool
-    reason: m.FailReason | None
-    issued_ns: int  # wall clock: rendezvous complete, descriptor prep starts
-    prepared_ns: int = 0  # descriptors built
-    posted_ns: int = 0  # first WRITE posted
-    done_ns: int = 0  # last WRITE observed DONE (or failed)
-    bytes_total: int = 0
-    descriptors: int = 0
-    blocks: int = 0
-    regions: int = 0  # KV regions (layer x part) of the layout the transfer spans
-    targets: tuple[str, ...] = ()
-    path: str = XferPath.DIRECT.value  # connector.core.xfer_path, per target joined by ","
-    path_reason: str = ""
-    stage_ms: dict[str, float] = field(default_factory=dict)  # device time per stage
-
-
-@dataclass
-class _Write:
-    report: WriteReport
-    unposted: int  # targets still waiting for their peer's metadata
-    handles: list[WriteHandle] = field(default_factory=list)
-    others: list[PathWrite] = field(default_factory=list)  # targets on a non-direct path
-    failure: m.FailReason | None = None
-    detail: str = ""
-    aborting: bool = False
-
-
-class Phase(enum.Enum):
-    """Where one transfer's WRITE stands on this rank."""
-
-    COMPUTING = "computing"  # GPU: its prefill was submitted with a ready check; no WRITE yet
-    DEFERRED = "deferred"  # the table issued the WRITE before the KV was computed
-    WRITING = "writing"  # posted (or waiting for a peer's metadata) and not ended
-    ENDED = "ended"  # the WRITE ended or never will; kept only for its ready check
-
-
-_ACTIVE = frozenset({Phase.DEFERRED, Phase.WRITING})  # a WRITE our polling must move on
-
-
-@dataclass
-class _Transfer:
-    """One transfer on this rank, from its prefill's ready check (GPU) or its WRITE's issue
-    until the table frees its blocks (or, without a ready check, its WRITE ends)."""
-
-    phase: Phase
-    ready: ReadyCheck | None = None  # GPU: "is the KV computed?"
-    ready_noted: bool = False  # it said yes, and the prefill span was told
-    issue: ev.IssueWrite | None = None  # DEFERRED: the WRITE to post once the KV is computed
-    write: _Write | None = None  # WRITING
 
 
 class Sender:
@@ -119,9 +65,10 @@ class Sender:
         """``paths``: the path driver (GPU); None sends every transfer direct.
         ``checksum_every``: send a digest of the KV with one transfer in this many (0: none;
         ``connector.transfer.integrity``)."""
-        self._checksum_every = checksum_every
         layout.validate()
-        self._codec = guard if guard is not None else Guard()  # seals when a secret is set
+        self.counters: Counts = Counts()
+        codec = guard if guard is not None else Guard()  # seals when a secret is set
+        self.notices = Notices(me, codec, self.counters, checksum_every)
         self._t, self.me, self.layout, self.topology, self.peers = (
             transport,
             me,
@@ -130,14 +77,12 @@ class Sender:
             peers,
         )
         self.table = SenderTable(lambda d_tp: topology.targets(me.rank, d_tp), policy)
-        self._transfers: dict[str, _Transfer] = {}
-        self._active = 0  # records in an _ACTIVE phase
-        self._valid: dict[KVLayout, None] = {}  # D layouts that passed validate(), bounded
+        self._transfers = Transfers()
+        self._check_layout = LayoutCheck()
         self._on_write_finished = on_write_finished
         self.spans = spans  # connector.transfer.spans.TransferSpans, or NO_SPANS
         self.paths = paths
         self.finished: list[str] = []  # request ids whose blocks go back (finished_sending)
-        self.counters: Counts = Counts()
 
     # ------------------------------------------------------------------ inputs
     def on_event(
@@ -152,11 +97,11 @@ class Sender:
             rec = self._transfers.get(tid)
             if rec is not None and rec.phase is Phase.DEFERRED:
                 # Not posted yet (the compute step had not finished): it never will be.
-                self._end(tid, rec)
+                self._transfers.end(tid, rec)
                 event = ev.WriteFailed(tid, m.FailReason.PREFILL_ABORTED, "preempted")
         if isinstance(event, ev.PrefillDone):
             if ready is not None:
-                self._record(event.transfer_id).ready = ready
+                self._transfers.record(event.transfer_id).ready = ready
             self.spans.prefill_submitted(event, note, deferred=ready is not None)
         self._run(self.table.handle(event, now_ns), now_ns)
 
@@ -182,7 +127,7 @@ class Sender:
             # off the critical path (validation is costly for many regions, docs/benchmarks.md).
             self.peers.when_ready(msg.d_addr, now_ns, _noop, _noop_fail)
             try:
-                self._check_layout(msg.layout)
+                self._check_layout(self.layout, msg.layout)
             except LayoutError:
                 pass  # the transfer fails with LAYOUT_MISMATCH when it is posted
             self.spans.registration(msg.transfer_id, msg.trace, time.time_ns())
@@ -207,22 +152,15 @@ class Sender:
             self.counters.add(Count.UNEXPECTED, type(msg).__name__)
 
     def poll(self, now_ns: int) -> None:
-        for tid, rec in self._transfers.items():
-            # GPU: note when the step's event fires (the end of P's prefill span), even
-            # while no registration has come yet.
-            if rec.ready is not None and not rec.ready_noted and rec.ready():
-                rec.ready_noted = True
-                self.spans.prefill_ready(tid, time.time_ns())
-        due = [
-            rec
-            for rec in self._transfers.values()
-            if rec.phase is Phase.DEFERRED and rec.ready is not None and rec.ready()
-        ]
-        for rec in due:
+        # GPU: note when the step's event fires (the end of P's prefill span), even while
+        # no registration has come yet.
+        for tid in self._transfers.newly_ready():
+            self.spans.prefill_ready(tid, time.time_ns())
+        for rec in self._transfers.due():
             if rec.issue is not None:  # still deferred: posting another may have ended it
                 issue, rec.issue = rec.issue, None
                 self._post(issue, now_ns)
-        for tid in [t for t, rec in self._transfers.items() if rec.phase is Phase.WRITING]:
+        for tid in self._transfers.in_phase(Phase.WRITING):
             self._poll_write(tid, now_ns)
         if self.paths is not None:
             self.paths.poll(now_ns)
@@ -237,36 +175,15 @@ class Sender:
 
     def quiescent(self, transfer_ids: list[str]) -> bool:
         """No WRITE of these transfers is posted, waiting to be posted, or in flight."""
-        return not any(
-            (rec := self._transfers.get(t)) is not None and rec.phase in _ACTIVE
-            for t in transfer_ids
-        )
+        return self._transfers.quiescent(transfer_ids)
 
     def writing(self) -> bool:
         """A WRITE is in flight or waits for its KV (GPU): only our polling moves it on."""
-        return self._active > 0
+        return self._transfers.active > 0
 
     def writes_in_flight(self) -> int:
         """Transfers with a WRITE posted or waiting for its KV (metrics)."""
-        return self._active
-
-    # ------------------------------------------------------------------ records
-    def _record(self, tid: str) -> _Transfer:
-        rec = self._transfers.get(tid)
-        if rec is None:
-            rec = self._transfers[tid] = _Transfer(Phase.COMPUTING)
-        return rec
-
-    def _move(self, tid: str, rec: _Transfer, phase: Phase) -> None:
-        """The one place a record changes phase (and the count of active WRITEs with it)."""
-        self._active += (phase in _ACTIVE) - (rec.phase in _ACTIVE)
-        rec.phase = phase
-        if phase is Phase.ENDED and rec.ready is None:
-            self._transfers.pop(tid, None)  # nothing left to watch
-
-    def _end(self, tid: str, rec: _Transfer) -> None:
-        rec.issue, rec.write = None, None
-        self._move(tid, rec, Phase.ENDED)
+        return self._transfers.active
 
     def awaiting_network(self) -> bool:
         """Blocks held for a registration (or a peer's answer) that has not come yet."""
@@ -279,11 +196,11 @@ class Sender:
                 rec = self._transfers.get(a.transfer_id)
                 if rec is not None and rec.ready is not None and not rec.ready():
                     rec.issue = a  # GPU: the step's event has not fired
-                    self._move(a.transfer_id, rec, Phase.DEFERRED)
+                    self._transfers.move(a.transfer_id, rec, Phase.DEFERRED)
                 else:
                     self._post(a, now_ns)
             elif isinstance(a, ev.FreeBlocks):
-                self._release_record(a.transfer_id)
+                self._transfers.release(a.transfer_id)
                 sent = self.table.get(a.transfer_id)
                 self.spans.released(a.transfer_id, sent.reason if sent is not None else None)
                 self.finished.append(a.request_id)
@@ -291,130 +208,29 @@ class Sender:
                 self._abort(a.transfer_id, now_ns)
             elif isinstance(a, ev.SendFail):
                 self.counters.add(Count.FAIL_SENT, a.reason.value)
-                frame = self._codec.encode(
-                    m.Fail(transfer_id=a.transfer_id, p_rank=self.me.rank, reason=a.reason)
-                )
+                frame = self.notices.fail(a.transfer_id, a.reason)
                 for addr in a.to:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
             elif isinstance(a, ev.ResendCompletion):
                 self.counters.add(Count.COMPLETION_RESENT)
-                frame = self._completion(a.transfer_id, 0, 0)
+                frame = self.notices.completion(a.transfer_id, 0, 0)
                 for addr in a.to:
                     self.peers.send(addr, frame, now_ns, self._count_send_failure)
             else:
                 raise TypeError(f"unknown sender action {a!r}")
-
-    def _release_record(self, tid: str) -> None:
-        """The blocks go back: no ready check to watch, no WRITE left to post. A WRITE in
-        flight (never, by the table's rules) would still be polled to its end."""
-        rec = self._transfers.get(tid)
-        if rec is None:
-            return
-        rec.ready, rec.ready_noted = None, False
-        if rec.phase is not Phase.WRITING:
-            self._end(tid, rec)
-
-    def _check_layout(self, layout: KVLayout) -> None:
-        """A peer's layout, validated once (the planner trusts validated layouts), with our
-        KV's element type (every path, not only DIRECT's planner, copies bytes as they are)."""
-        if layout in self._valid:
-            return
-        layout.validate()
-        check_same_dtype(self.layout, layout)
-        if len(self._valid) >= 64:  # D engines come and go: forget the oldest
-            del self._valid[next(iter(self._valid))]
-        self._valid[layout] = None
-
-    def _completion(
-        self, tid: str, nbytes: int, descs: int, digest: m.KvDigest | None = None
-    ) -> bytes:
-        return self._codec.encode(
-            m.Completion(
-                transfer_id=tid,
-                p_rank=self.me.rank,
-                p_tp_size=self.me.tp_size,
-                bytes_total=nbytes,
-                descriptors=descs,
-                digest=digest,
-            )
-        )
-
-    def _digest(
-        self, tid: str, pieces: Pieces, heads: HeadRange, dst_mem: str
-    ) -> m.KvDigest | None:
-        """The KV's digest for D to check, where this transfer is sampled (before the WRITE
-        is posted: the digest travels in its own notification)."""
-        if not sampled(tid, self._checksum_every) or pieces.count == 0:
-            return None
-        digest = source_digest(self.layout, pieces, heads, dst_mem)
-        self.counters.add(Count.KV_DIGESTS if digest is not None else Count.KV_DIGESTS_SKIPPED)
-        return digest
-
-    def _path_digest(
-        self, tid: str, reg: m.Register, src_blocks: ev.BlockTable, heads: HeadRange
-    ) -> m.KvDigest | None:
-        """The digest of a write on another path than direct (IPC): the same bytes in the
-        same order as direct would write them, so D checks them alike. Planned only for a
-        sampled transfer (the plan is what such paths skip for speed)."""
-        if not sampled(tid, self._checksum_every):
-            return None
-        try:
-            pieces = plan_transfer(
-                self.layout,
-                src_blocks,
-                reg.layout,
-                reg.block_ids,
-                first_token=reg.first_token,
-                num_tokens=reg.num_tokens,
-                heads=heads,
-            )
-        except LayoutError as exc:  # the path copies what the planner cannot describe
-            logger.warning("Transfer %s: no KV digest on its path: %s", tid, exc)
-            self.counters.add(Count.KV_DIGESTS_SKIPPED)
-            return None
-        return self._digest(tid, pieces, heads, reg.layout.mem_type)
 
     def _count_send_failure(self, exc: TransportError) -> None:
         self.counters.add(Count.SEND_FAILED)
         logger.warning("Sending a notification from %s failed: %s", self.me.addr.agent, exc)
 
     def _post(self, a: ev.IssueWrite, now_ns: int) -> None:
-        report = WriteReport(
-            a.transfer_id,
-            a.request_id,
-            False,
-            None,
-            time.time_ns(),
-            blocks=sum(len(g) for g in a.block_ids),
-            regions=len(self.layout.regions),
-            targets=tuple(r.d_addr.agent for r in a.registrations),
-        )
-        plans = []
+        report = new_report(a, self.layout)
         try:
-            for reg in a.registrations:
-                self._check_layout(reg.layout)
-                if reg.num_tokens != a.num_tokens:
-                    raise LayoutError(
-                        f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}"
-                    )
-                heads = self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
-                choice = self.paths.choose(reg, a.block_ids, heads) if self.paths else None
-                pieces = None
-                if choice is None or choice.path is XferPath.DIRECT:
-                    pieces = plan_transfer(
-                        self.layout,
-                        a.block_ids,
-                        reg.layout,
-                        reg.block_ids,
-                        first_token=reg.first_token,
-                        num_tokens=reg.num_tokens,
-                        heads=heads,
-                    )
-                plans.append((reg, pieces, choice, heads))
+            plans = plan_writes(a, self.layout, self._check_layout, self._heads, self.paths)
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
             if (rec := self._transfers.get(a.transfer_id)) is not None:
-                self._end(a.transfer_id, rec)
+                self._transfers.end(a.transfer_id, rec)
             self._run(
                 self.table.handle(
                     ev.WriteFailed(a.transfer_id, m.FailReason.LAYOUT_MISMATCH, str(exc)), now_ns
@@ -423,45 +239,34 @@ class Sender:
             )
             return
         report.prepared_ns = time.time_ns()
-        w = _Write(report, unposted=len(plans))
-        rec = self._record(a.transfer_id)
+        account(report, plans)
+        w = Write(report, unposted=len(plans))
+        rec = self._transfers.record(a.transfer_id)
         rec.write = w
-        self._move(a.transfer_id, rec, Phase.WRITING)
-        chosen = [c for _, _, c, _ in plans if c is not None]
-        if chosen:
-            report.path = ",".join(sorted({c.path.value for c in chosen}))
-            report.path_reason = "; ".join(sorted({c.reason for c in chosen}))
-        for reg, pieces, choice, heads in plans:
-            if pieces is None:
-                assert choice is not None
-                report.bytes_total += choice.bytes_total
-            else:
-                report.bytes_total += pieces.bytes_total
-                report.descriptors += pieces.count
+        self._transfers.move(a.transfer_id, rec, Phase.WRITING)
+        for p in plans:
             self.peers.when_ready(
-                reg.d_addr,
+                p.reg.d_addr,
                 now_ns,
-                functools.partial(self._post_one, w, reg, pieces, choice, a.block_ids, heads),
+                functools.partial(self._post_one, w, p, a.block_ids),
                 lambda exc: self._unposted_failed(w, _unreached(exc), exc),
             )
         self._poll_write(a.transfer_id, now_ns)
 
-    def _post_one(
-        self,
-        w: _Write,
-        reg: m.Register,
-        pieces: Pieces | None,
-        choice: PathChoice | None,
-        src_blocks: ev.BlockTable,
-        heads: HeadRange,
-    ) -> None:
+    def _heads(self, reg: m.Register) -> HeadRange:
+        return self.topology.heads(self.me.rank, reg.d_rank, reg.d_tp_size)
+
+    def _post_one(self, w: Write, plan: TargetPlan, src_blocks: ev.BlockTable) -> None:
         w.unposted -= 1
         if w.aborting:
             return
+        reg, pieces, choice, heads = plan.reg, plan.pieces, plan.choice, plan.heads
         if pieces is None:  # another path than direct: no descriptors were planned
             assert self.paths is not None and choice is not None
-            digest = self._path_digest(w.report.transfer_id, reg, src_blocks, heads)
-            notif = self._completion(w.report.transfer_id, choice.bytes_total, 0, digest)
+            digest = self.notices.path_digest(
+                w.report.transfer_id, self.layout, reg, src_blocks, heads
+            )
+            notif = self.notices.completion(w.report.transfer_id, choice.bytes_total, 0, digest)
             try:
                 w.report.posted_ns = w.report.posted_ns or time.time_ns()
                 w.others.append(self.paths.start(choice, reg, src_blocks, heads, notif))
@@ -470,8 +275,8 @@ class Sender:
                 self._note_failure(w, m.FailReason.POST_ERROR, TransportError(str(exc)))
             return
         tid = w.report.transfer_id
-        digest = self._digest(tid, pieces, heads, reg.layout.mem_type)
-        notif = self._completion(tid, pieces.bytes_total, pieces.count, digest)
+        digest = self.notices.digest(tid, self.layout, pieces, heads, reg.layout.mem_type)
+        notif = self.notices.completion(tid, pieces.bytes_total, pieces.count, digest)
         try:
             if pieces.count == 0:  # D already holds every token: nothing to move, say so
                 self._t.send_notif(reg.d_addr.agent, notif)
@@ -496,11 +301,11 @@ class Sender:
         # TCP it needs D's UCX progress.
         self.peers.ring(reg.d_addr.agent, WRITE + write_key(self.me.rank, w.report.transfer_id))
 
-    def _unposted_failed(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
+    def _unposted_failed(self, w: Write, reason: m.FailReason, exc: TransportError) -> None:
         w.unposted -= 1
         self._note_failure(w, reason, exc)
 
-    def _note_failure(self, w: _Write, reason: m.FailReason, exc: TransportError) -> None:
+    def _note_failure(self, w: Write, reason: m.FailReason, exc: TransportError) -> None:
         self.counters.add(Count.WRITE_FAILED, reason.value)
         if w.failure is None:
             w.failure, w.detail = reason, str(exc)
@@ -534,7 +339,7 @@ class Sender:
         w.others = [pw for pw in w.others if not self._pump(w, pw)]
         if live or w.others or w.unposted:
             return
-        self._end(tid, rec)
+        self._transfers.end(tid, rec)
         w.report.done_ns = time.time_ns()
         w.report.ok, w.report.reason = w.failure is None, w.failure
         self.counters.add(Count.PATH, w.report.path)
@@ -549,7 +354,7 @@ class Sender:
         if self.paths is not None and isinstance(exc, PeerDisconnected):
             self.paths.forget(agent)  # it may come back under the same name, remapped
 
-    def _pump(self, w: _Write, pw: PathWrite) -> bool:
+    def _pump(self, w: Write, pw: PathWrite) -> bool:
         """Move a non-direct write on; True once it has ended (well or not)."""
         try:
             if not pw.pump():
@@ -578,7 +383,7 @@ class Sender:
             return
         if rec.phase is Phase.DEFERRED:
             # Never posted (its KV was not computed yet): it must not start past its deadline.
-            self._end(tid, rec)
+            self._transfers.end(tid, rec)
             self.counters.add(Count.WRITE_FAILED, m.FailReason.WRITE_TIMEOUT.value)
             event = ev.WriteFailed(tid, m.FailReason.WRITE_TIMEOUT, "KV not ready in time")
             self._run(self.table.handle(event, now_ns), now_ns)

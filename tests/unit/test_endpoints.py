@@ -18,7 +18,8 @@ from connector.tools.loopback import RankSpec, expected_event
 from connector.transfer.guard import Guard
 from connector.transfer.peers import NotSent, Peers
 from connector.transfer.receiver import Receiver
-from connector.transfer.sender import Phase, Sender
+from connector.transfer.send_records import Phase
+from connector.transfer.sender import Sender
 from connector.transfer.thread import TransferThread
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.fake import FakeFabric

@@ -144,7 +144,7 @@ def test_the_knob_is_off_by_default_and_validated() -> None:
 
 # ------------------------------------------------------------------ over the fake transport
 def _checked(pair: Pair, p_every: int = 1, d_verify: bool = True) -> Pair:
-    pair.sender._checksum_every = p_every  # what PushkvConfig.kv_checksum_every sets
+    pair.sender.notices.checksum_every = p_every  # what PushkvConfig.kv_checksum_every sets
     pair.receiver._verify = d_verify
     return pair
 

@@ -22,7 +22,8 @@ from connector.transfer.gpu.paths import GpuPaths, IpcWrite, Mode, make_offer
 from connector.transfer.gpu.rows import RowTable
 from connector.transfer.peers import Peers
 from connector.transfer.receiver import Receiver
-from connector.transfer.sender import Sender, WriteReport
+from connector.transfer.send_records import WriteReport
+from connector.transfer.sender import Sender
 from connector.transfer.topology import RankInfo, Topology
 from connector.transport.fake import FakeFabric
 
@@ -311,7 +312,7 @@ def test_an_ipc_write_carries_a_digest_that_d_checks_and_a_flipped_byte_fails(
     monkeypatch.setattr(integrity, "algo_for", lambda src_mem, dst_mem: algo)
     for flip in (False, True):
         pair = GpuPair("ipc")
-        pair.sender._checksum_every, pair.receiver._verify = 1, True  # kv_checksum_every: 1
+        pair.sender.notices.checksum_every, pair.receiver._verify = 1, True  # kv_checksum_every: 1
         inner = pair.td.get_notifs
 
         def get_notifs(
