@@ -231,7 +231,7 @@ class PdStack(StartStop):
     # Also confine each server's processes (API server, EngineCore, workers, their threads)
     # to those CPUs, as if P and D were hosts of their own; the router stays unpinned.
     # pushkv's transfer thread leaves vLLM's OpenMP core but not its server's CPUs
-    # (connector/transfer/thread.py, _unpin). Unpinned, D's API server and EngineCore
+    # (connector/transfer/thread_os.py, unpin). Unpinned, D's API server and EngineCore
     # compete with P's prefill on P's core, which every connector's TTFT shows
     # (``pushkv bench``).
     pin_servers: bool = True

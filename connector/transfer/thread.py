@@ -13,27 +13,27 @@ is ``connector.transfer.polling.Backoff``'s; a submit wakes it at once.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from connector.config import PushkvConfig
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import PushkvError, RemoteProtocolError, TransportError
-from connector.transfer.doorbell import Doorbell, IncomingWrites, Rings, write_key
+from connector.transfer.doorbell import Doorbell, IncomingWrites, write_key
 from connector.transfer.guard import Guard
+from connector.transfer.handback import Handback
 from connector.transfer.metrics import RankMetrics
 from connector.transfer.peers import Peers
 from connector.transfer.polling import Backoff
 from connector.transfer.receiver import Received, Receiver
 from connector.transfer.sender import Sender
+from connector.transfer.thread_os import EventWaker, Waker, name_os_thread, unpin
 from connector.transport.base import Transport
 from telemetry.counts import Counts
 from telemetry.schema import Count
@@ -55,62 +55,6 @@ class _Close:
 
     grace_ns: int
     done: threading.Event | None = None
-
-
-def _name_os_thread(name: str) -> None:
-    """Give the calling thread ``name`` in the kernel (``top -H``, ``/proc/*/task/*/comm``),
-    so that its CPU shows apart from the engine's; Linux keeps the first 15 bytes. Threads
-    it starts (a lazily created exporter's, UCX's) inherit the name."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
-    except (OSError, AttributeError):  # not Linux: the name is cosmetic
-        pass
-
-
-def _unpin() -> None:
-    """Let this thread run on every CPU its server may use. vLLM's CPU worker pins its
-    process (and so every thread it starts) to the cores of its OpenMP pool, where the
-    engine loop spins; a transfer thread stuck behind it delays the WRITE and its
-    notifications by seconds. The server's own mask (taskset, numactl, a cpuset: the
-    operator's choice) is kept: it is read from the parent process (vLLM's EngineCore or
-    API server, which vLLM does not pin). Widening past it would put D's thread on P's
-    cores, where it slows P's prefills (``pushkv bench`` shows it in P's TTFT)."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        allowed = os.sched_getaffinity(0)
-        server = os.sched_getaffinity(os.getppid()) | allowed  # never narrower than now
-        if server != allowed:
-            os.sched_setaffinity(0, server)  # pid 0: the calling thread only
-            logger.info(
-                "Transfer thread moved from CPUs %s to %s",
-                sorted(allowed),
-                sorted(os.sched_getaffinity(0)),
-            )
-    except OSError as exc:  # a cpuset may forbid it, the parent may be gone: keep the mask
-        logger.info("Transfer thread keeps its CPU mask: %s", exc)
-
-
-class _Waker(Protocol):
-    def wake(self) -> None: ...
-    def wait(self, timeout_s: float) -> Rings: ...
-
-
-class _EventWaker:
-    """The waker without a doorbell: only the engine (submit, stop) wakes the thread."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def wake(self) -> None:
-        self._event.set()
-
-    def wait(self, timeout_s: float) -> Rings:
-        if self._event.wait(timeout_s):
-            self._event.clear()
-            return Rings(True)
-        return Rings(False)
 
 
 class TransferThread:
@@ -143,12 +87,9 @@ class TransferThread:
         self._clock = clock
         self._inbox: queue.SimpleQueue[tuple[Any, Any, Any]] = queue.SimpleQueue()
         self._bell = bell
-        self._wake: _Waker = bell if bell is not None else _EventWaker()
+        self._wake: Waker = bell if bell is not None else EventWaker()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._sent: list[str] = []
-        self._recvd: list[Received] = []
-        self._results = threading.Event()  # set while _sent or _recvd holds something
+        self._results = Handback()
         self._pending_push = 0
         self._quiesce: list[tuple[list[str], threading.Event]] = []
         self._closing_at: int | None = None  # from then on: shutting down (our clock)
@@ -213,18 +154,10 @@ class TransferThread:
         return self._closing_at is not None
 
     def take_finished_sending(self) -> list[str]:
-        with self._lock:
-            out, self._sent = self._sent, []
-            if not self._recvd:
-                self._results.clear()
-        return out
+        return self._results.take_sent()
 
     def take_finished_recving(self) -> list[Received]:
-        with self._lock:
-            out, self._recvd = self._recvd, []
-            if not self._sent:
-                self._results.clear()
-        return out
+        return self._results.take_recvd()
 
     def wait_for_results(self, timeout_s: float) -> bool:
         """Block until a transfer result is ready to take (True) or ``timeout_s`` passed.
@@ -281,8 +214,8 @@ class TransferThread:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
-        _name_os_thread(self._thread.name)
-        _unpin()
+        name_os_thread(self._thread.name)
+        unpin()
         woken, rung = False, False
         while not self._stop.is_set():
             self.counters.add(Count.POLLS)
@@ -499,14 +432,9 @@ class TransferThread:
             if s is not None:
                 self._pending_push = s.table.holding_blocks()
             return
-        with self._lock:
-            if s is not None:
-                self._sent += s.finished
-                s.finished = []
-            if r is not None:
-                self._recvd += r.finished
-                r.finished = []
-            if self._sent or self._recvd:
-                self._results.set()
+        self._results.put(s.finished if s is not None else [], r.finished if r is not None else [])
+        if r is not None:
+            r.finished = []
         if s is not None:
+            s.finished = []
             self._pending_push = s.table.holding_blocks()

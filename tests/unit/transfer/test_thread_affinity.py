@@ -2,7 +2,7 @@
 
 Each case runs in a child "server" process with a chosen mask, whose own child (the
 "worker") narrows its main thread as vLLM's CPU worker does, then starts a thread that
-calls ``_unpin`` and reports its mask. Subprocesses, because masks are per process tree.
+calls ``unpin`` and reports its mask. Subprocesses, because masks are per process tree.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU masks")
 
-# The "worker": narrows its main thread to `narrow`, starts a thread that calls _unpin and
+# The "worker": narrows its main thread to `narrow`, starts a thread that calls unpin and
 # prints that thread's mask and its parent's (the "server").
 WORKER = textwrap.dedent("""
     import json, os, sys, threading
-    from connector.transfer.thread import _unpin
+    from connector.transfer.thread_os import unpin
     os.sched_setaffinity(0, set(json.loads(sys.argv[1])))
     out = {}
     def run():
-        _unpin()
+        unpin()
         out["thread"] = sorted(os.sched_getaffinity(0))
     t = threading.Thread(target=run)
     t.start()
@@ -58,7 +58,8 @@ def _thread_mask(server: set[int], narrow: set[int]) -> dict[str, list[int]]:
         capture_output=True,
         text=True,
         timeout=90,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        # the repository root, so the child imports this checkout's connector
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
