@@ -7,12 +7,12 @@ client opened for it, when the server accepted that connection; ``Arrival`` and
 ``arrival_of(scope)`` read the stamps back.
 
 Requests that arrive together each get a task, and a task runs only once the ones before it
-have reached an ``await``: the time from the first bytes to the handler is the "router
-ingress" segment (issue #18). A client that opens a connection for its request sends it only
-after its own connection set-up: for such a request the trace starts at the accept, and the
-"connection" segment shows that wait. A request arriving more than ``CONNECT_WINDOW_NS``
-after its connection was accepted came over a connection opened in advance (a pool kept
-warm): its connection is no part of it.
+have reached an ``await``: the time from the first bytes to the handler is the request's
+``ingress`` span, time queued on the router's loop (docs/operations.md#tracing). A client
+that opens a connection for its request sends it only after its own connection set-up: for
+such a request the trace starts at the accept, and the "connection" segment shows that wait.
+A request arriving more than ``CONNECT_WINDOW_NS`` after its connection was accepted came
+over a connection opened in advance (a pool kept warm): its connection is no part of it.
 
 Without httptools (uvicorn's h11 fallback) there is no stamp and the root span starts in
 the handler, as before; the root span's ``pushkv.router.arrival`` says which.

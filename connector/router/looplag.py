@@ -4,8 +4,9 @@ Owns: ``LoopLag``, a task that asks to wake every ``interval_s`` and records how
 than asked it woke (its lag: whatever held the loop, from a blocking call to a burst of
 requests), keeping the last minute. Each request's span carries the worst lag seen while it
 was open (``pushkv.router.loop_lag_ms``) and ``/metrics`` the worst of the last second: a
-request that waited where no span can see it (issue #18: time before the handler ran) is
-then explained by the loop, not blamed on P or D.
+request that waited where no span can see it (a router process not scheduled, a loop busy
+with other requests: docs/operations.md#tracing) is then explained by the loop, not blamed
+on P or D.
 """
 
 from __future__ import annotations
