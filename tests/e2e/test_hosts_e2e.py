@@ -368,16 +368,29 @@ def test_a_stopped_p_delays_only_its_own_requests_and_serves_again_once_continue
             "answers after P 0 came back", lambda: load.count(since=recovered) >= CLIENTS, 60
         )
     answers = list(load.answers)
+    bad = [(a.status, round(a.took, 2)) for a in answers if a.status != 200]
+    assert not bad, f"requests not answered: {bad}"
+    for a in answers:
+        assert a.body is not None and a.body["usage"]["completion_tokens"] == MAX_TOKENS
     p_of = prefill_of(stack.run_dir, answers)
     baseline = [a for a in answers if a.ended < stopped]
     slowest = max(a.took for a in baseline)
     base_other = [a.took for a in baseline if p_of[a.trace_id] == other_p.url]
     during = [a for a in answers if a.started >= stopped and a.ended <= continued]
     other_during = [a.took for a in during if p_of[a.trace_id] == other_p.url]
-    # Sent to P 0 while it was stopped: D waited for KV that could not come.
-    caught = [
-        a for a in answers if p_of[a.trace_id] == stopped_p.url and stopped < a.started < continued
+    # On P 0 at the stop or sent to it while stopped, and D gave the transfer up: D waited
+    # for KV that could not come (a request P 0 had pushed before the stop ends as usual).
+    on_p0 = [
+        a
+        for a in answers
+        if p_of[a.trace_id] == stopped_p.url and stopped < a.ended and a.started < continued
     ]
+    given_up = {
+        tid: kv
+        for tid, t in wait_traces(stack.run_dir, [a.trace_id for a in on_p0]).items()
+        if (kv := t.first(Span.AWAIT_KV.value)) is not None and kv.is_error
+    }
+    caught = [a for a in on_p0 if a.trace_id in given_up]
     reused = [a for a in answers if a.started > continued and p_of[a.trace_id] == stopped_p.url]
     print(
         f"[hosts] baseline: {len(baseline)} answers, slowest {slowest:.2f} s, P 1's p90 "
@@ -386,10 +399,6 @@ def test_a_stopped_p_delays_only_its_own_requests_and_serves_again_once_continue
         f"{len(other_during)}; caught on P 0: {[round(a.took, 2) for a in caught]}; P 0 back "
         f"{recovered - continued:.1f} s after SIGCONT, then served {len(reused)}"
     )
-    bad = [(a.status, round(a.took, 2)) for a in answers if a.status != 200]
-    assert not bad, f"requests not answered: {bad}"
-    for a in answers:
-        assert a.body is not None and a.body["usage"]["completion_tokens"] == MAX_TOKENS
     # No request hangs: the longest waits out D's deadline for P 0's transfer, then D
     # computes it (no longer than the baseline's slowest request).
     longest = max(a.took for a in answers)
@@ -397,7 +406,7 @@ def test_a_stopped_p_delays_only_its_own_requests_and_serves_again_once_continue
         f"a request took {longest:.2f} s (D's deadline {HUNG_XFER_S:.0f} s, the baseline's "
         f"slowest {slowest:.2f} s, margin {HUNG_MARGIN_S} s)"
     )
-    assert caught, "no request was sent to the stopped P: nothing was tested"
+    assert caught, f"no transfer from the stopped P was given up: nothing was tested ({on_p0})"
     # P 1's requests keep their latency: its p90 within what its doubled share explains.
     # (of P 1's baseline legs, up to one per client may still run at the stop)
     assert len(base_other) >= BASELINE_PER_P // 2 and len(other_during) >= 5, (
@@ -419,13 +428,11 @@ def test_a_stopped_p_delays_only_its_own_requests_and_serves_again_once_continue
                 ref = post_ok(d, "/v1/completions", salted)
             assert a.body is not None
             assert_matches_reference(a.body, ref, what)
-    # D's transfers from the stopped P ended at D's deadline for them, in error.
-    for tid, t in wait_traces(stack.run_dir, [a.trace_id for a in caught]).items():
-        kv = t.first(Span.AWAIT_KV.value)
-        assert kv is not None
+    # D's transfers from the stopped P ended at D's deadline for them.
+    for tid, kv in given_up.items():
         took = kv.duration_ns / 1e9
         print(f"[hosts] trace {tid}: D's await_kv {took:.2f} s, {kv.attr(Attr.OUTCOME.value)}")
-        assert kv.is_error and took < HUNG_XFER_S + HUNG_MARGIN_S, (tid, took, kv.status_message)
+        assert took < HUNG_XFER_S + HUNG_MARGIN_S, (tid, took, kv.status_message)
     # Once back, P 0 pushed its requests' KV (D's await ok, P 0's WRITE in the trace).
     p0_host = urlsplit(stopped_p.url).hostname
 
