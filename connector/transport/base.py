@@ -126,7 +126,8 @@ class Transport(Protocol):
         ...
 
     def remove_peer(self, peer: str) -> None:
-        """Forget the peer's metadata and dial state. Idempotent."""
+        """Forget the peer's metadata and dial state; an unfinished WRITE to it raises
+        PeerDisconnected at its next poll. Idempotent."""
         ...
 
     def close(self) -> None:

@@ -353,6 +353,8 @@ class FakeTransport:
     def remove_peer(self, peer: str) -> None:
         self._check_alive()
         for handle in [h for h in self._handles if h.peer == peer]:
+            if not handle.done and handle.error is None:  # fails at its next poll, as in NIXL
+                handle.error = PeerDisconnected(f"write (peer {peer!r}): peer removed in flight")
             self.release(handle)
         self._known.pop(peer, None)
         self._dials.forget(peer)

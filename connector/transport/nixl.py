@@ -22,6 +22,7 @@ import numpy as np
 
 from connector.core.errors import (
     LocalProtocolError,
+    PeerDisconnected,
     PeerUnknown,
     PeerUnreachable,
     TransportError,
@@ -202,12 +203,16 @@ class NixlTransport:
         self.counters.add(Count.MD_LOADED)
 
     def _unload(self, peer: str, why: str | None) -> None:
-        """Release the peer's handles, forget its metadata. On a reload (``why``) unfinished
-        WRITEs fail at their next poll; not PeerDisconnected, whose handling (Peers.lost)
-        would remove the metadata just loaded."""
+        """Release the peer's handles, forget its metadata. Unfinished WRITEs fail at their
+        next poll: PeerDisconnected once the peer is removed; on a reload (``why``) not,
+        as its handling (Peers.lost) would remove the metadata just loaded."""
         for handle in [h for h in self._handles if h.peer == peer]:
-            if why and not handle.done and handle.error is None:
-                handle.error = TransportError(f"write (peer {peer!r}): reloaded, {why}")
+            if not handle.done and handle.error is None:
+                handle.error = (
+                    TransportError(f"write (peer {peer!r}): reloaded, {why}")
+                    if why
+                    else PeerDisconnected(f"write (peer {peer!r}): peer removed in flight")
+                )
             self._release_logged(handle)
         self._connected.discard(peer)
         self._loaded.pop(peer, None)
