@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # On the GPU machine, after the site is complete: which UCX transports carry VRAM between two
-# processes of the one GPU. (1) pushkv's transport bench (WRITE) under two UCX_TLS lists;
-# (2) vLLM's NixlConnector (a READ from D) at 4096 tokens without tcp, so UCX cannot fall back
-# to "software emulation" over tcp/lo (bench/results/gpu-20261206-h100/pull). UCX's choices
-# (UCX_PROTO_INFO=y) come back under $OUT/ucx-*.txt.
+# processes of the one GPU. (1) pushkv's transport bench (WRITE) with UCX's protocol report;
+# (2) vLLM's NixlConnector (a READ from D) at 4096 tokens, where UCX chose "software
+# emulation" over tcp/lo (bench/results/gpu-20261206-h100/pull), with UCX's log at
+# PULL_UCX_LOG (info). tcp stays in UCX_TLS: without it NIXL's UCX backend fails at start on this
+# machine (bench/results/gpu-20261206b-h100). UCX's choices come back under $OUT/ucx-*.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pushkv-out}
 mkdir -p "$OUT"
 . scripts/gpu/env.sh
-for tls in tcp,sm,self,cuda_copy,cuda_ipc sm,self,cuda_copy,cuda_ipc; do
+for tls in tcp,sm,self,cuda_copy,cuda_ipc; do
   UCX_PROTO_INFO=y timeout 120 python3 -m bench.transport_bench --device cuda --ucx-tls "$tls" \
     --sizes 64 --pieces 64 --reps 3 --ping-reps 20 > "$OUT/ucx-bench-$tls.txt" 2>&1
   echo "transport_bench $tls rc=$?"; grep -E "contiguous|cuda_ipc|cuda_copy|tcp|emulation" \
     "$OUT/ucx-bench-$tls.txt" | head -20
 done
-tls=${PULL_TLS:-sm,self,cuda_copy,cuda_ipc}
-PUSHKV_GPU_UCX_TLS=$tls UCX_PROTO_INFO=y PUSHKV_RUN_TAG=pull bash scripts/gpu/run.sh sweep llama8b \
+tls=${PULL_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}
+PUSHKV_GPU_UCX_TLS=$tls UCX_PROTO_INFO=y UCX_LOG_LEVEL=${PULL_UCX_LOG:-info} PUSHKV_RUN_TAG=pull bash scripts/gpu/run.sh sweep llama8b \
   --configs vllm-pull --lengths 4096 --rates 1 --point-s 6 \
   --server-args "--gpu-memory-utilization 0.35" --kv-cache-bytes 8589934592 --max-minutes 4
 echo "pull rc=$?"
