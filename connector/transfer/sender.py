@@ -18,7 +18,12 @@ from typing import Any
 
 from connector.core import events as ev
 from connector.core import messages as m
-from connector.core.errors import LayoutError, PeerDisconnected, TransportError
+from connector.core.errors import (
+    LayoutError,
+    LocalProtocolError,
+    PeerDisconnected,
+    TransportError,
+)
 from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout
 from connector.core.sender_table import SenderTable
@@ -305,7 +310,7 @@ class Sender:
         w.unposted -= 1
         self._note_failure(w, reason, exc)
 
-    def _note_failure(self, w: Write, reason: m.FailReason, exc: TransportError) -> None:
+    def _note_failure(self, w: Write, reason: m.FailReason, exc: Exception) -> None:
         self.counters.add(Count.WRITE_FAILED, reason.value)
         if w.failure is None:
             w.failure, w.detail = reason, str(exc)
@@ -334,6 +339,11 @@ class Sender:
                     else m.FailReason.WRITE_ERROR
                 )
                 self._note_failure(w, reason, exc)
+            except LocalProtocolError as exc:
+                # A handle in a state it should never reach (a bug): this WRITE fails, and the
+                # loop, with every other transfer, goes on (it raised at each poll once).
+                logger.error("WRITE %s to %s: %s", w.report.transfer_id, h.peer, exc)
+                self._note_failure(w, m.FailReason.WRITE_ERROR, exc)
             self._release(h)
         w.handles = live
         w.others = [pw for pw in w.others if not self._pump(w, pw)]

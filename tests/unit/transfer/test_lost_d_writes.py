@@ -32,3 +32,23 @@ def test_every_write_in_flight_to_a_dead_d_fails_and_p_pushes_on() -> None:
         ("t1", False, m.FailReason.PEER_LOST),
         ("t2", False, m.FailReason.PEER_LOST),
     ]
+
+
+def test_a_handle_in_an_impossible_state_fails_its_write_only() -> None:
+    """A bug that leaves one handle released but unfinished (poll_write raises
+    LocalProtocolError) fails that WRITE; the other transfer's WRITE still completes."""
+    pair = Pair()
+    pair.fabric.delay_writes(3, dst=pair.d_spec.agent)
+    for tid, block in (("t1", 1), ("t2", 2)):
+        pair.expect(tid, 16, (block,))
+        pair.sender.on_event(ev.PrefillDone(tid, f"p{tid}", ((block,),), 16), pair.now)
+    pair.pump(rounds=2)
+    assert pair.sender.writes_in_flight() == 2
+    rec = pair.sender._transfers.get("t1")
+    assert rec is not None and rec.write is not None
+    for h in rec.write.handles:
+        pair.tp.release(h)  # the stray release
+    pair.pump(rounds=20)
+    assert pair.sender.writes_in_flight() == 0
+    outcome = {r.transfer_id: (r.ok, r.reason) for r in pair.reports}
+    assert outcome == {"t1": (False, m.FailReason.WRITE_ERROR), "t2": (True, None)}
