@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,12 +192,23 @@ def run(shape: Shape, tokens: int, repeats: int, device: str = "cpu") -> dict[st
     else:
         out["copy"], out["flat"] = _device_writes(pieces, p_mem, d_mem, owners, repeats)
     exp = ev.Expected("t", "r", (), db, 0, tokens)
-    # On CPU both algorithms (D in host memory: crc32; in GPU memory: wsum64); on a GPU, wsum64.
-    for d_kind in ("DRAM", "VRAM") if device == "cpu" else ("VRAM",):
+    # On CPU both algorithms (D in host memory: crc32; in GPU memory: wsum64); on a GPU,
+    # wsum64 by torch's ops and by the Triton kernel (connector/transfer/gpu/wsum_kernel.py).
+    runs = (
+        [("DRAM", ""), ("VRAM", "")] if device == "cpu" else [("VRAM", "torch"), ("VRAM", "triton")]
+    )
+    for d_kind, backend in runs:
+        if backend:
+            os.environ["PUSHKV_WSUM_BACKEND"] = backend  # read at each digest
         digest = source_digest(src, pieces, heads, d_kind)
         assert digest is not None and verify(dst, exp, digest) is Check.OK, digest
         p_ms, d_ms = _digest_times(src, dst, pieces, heads, exp, d_kind, digest, repeats)
-        out[f"{digest.algo} P"], out[f"{digest.algo} D"] = p_ms, d_ms
+        name = f"{digest.algo}/{backend}" if backend else digest.algo
+        out[f"{name} P"], out[f"{name} D"] = p_ms, d_ms
+        out[f"{name} value"] = float(digest.value % (1 << 52))  # the backends must agree
+    os.environ.pop("PUSHKV_WSUM_BACKEND", None)
+    if device != "cpu":
+        assert out["wsum64/torch value"] == out["wsum64/triton value"], "backends disagree"
     return out
 
 

@@ -2,8 +2,9 @@
 
 Owns: the algorithm's definition (``weight``, ``reference``) and ``digest_runs``, its torch
 computation over (address, length) runs of this process's memory, host (DRAM) or GPU
-(VRAM), so KV in GPU memory is digested where it lies, with no copy to the host and no
-kernel of our own. Which runs, in which order: ``connector.core.digest_ranges``.
+(VRAM), so KV in GPU memory is digested where it lies, with no copy to the host (on CUDA
+by one Triton kernel, ``gpu.wsum_kernel``, elsewhere by torch ops). Which runs, in which
+order: ``connector.core.digest_ranges``.
 
 Definition. The stream (the runs' bytes, concatenated) is zero-padded to a multiple of 4
 and read as little-endian signed int32 words ``x_k``; the digest is
@@ -24,6 +25,8 @@ data, like any 63-bit hash (no protection against a forger: the weights are publ
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -148,8 +151,53 @@ def digest_runs(runs: Runs, device: torch.device | str) -> int:
     tables = _tables(device)
     ctx = torch.cuda.stream(tables.stream) if tables.stream is not None else nullcontext()
     with ctx, torch.inference_mode():
-        total = _sum_rows(rows, rel // unit, length // unit, unit, tables.page)
+        if _backend(device, unit) == "triton":
+            total = _sum_rows_kernel(span, rel // unit, length // unit, unit, tables.page)
+        else:
+            total = _sum_rows(rows, rel // unit, length // unit, unit, tables.page)
         return int(total.item()) & MASK63
+
+
+def _backend(device: torch.device, unit: int) -> str:
+    """``triton`` (one fused kernel) on CUDA where rows are whole words and Triton imports;
+    ``torch`` elsewhere. ``PUSHKV_WSUM_BACKEND=torch|triton`` forces one (benchmarks,
+    tests under Triton's interpreter)."""
+    forced = os.environ.get("PUSHKV_WSUM_BACKEND", "auto")
+    if forced in ("torch", "triton"):
+        return forced if unit % 4 == 0 else "torch"
+    if device.type != "cuda" or unit % 4:
+        return "torch"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+
+
+def _stream_rows(first: torch.Tensor, cum: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """The source row of each stream row ``r0 .. r1`` (runs ``first[i]``, ``cum``: their
+    stream rows' running total)."""
+    r = torch.arange(r0, r1, dtype=torch.int64, device=first.device)
+    run = torch.searchsorted(cum, r, right=True) - 1
+    return first[run] + (r - cum[run])
+
+
+def _sum_rows_kernel(
+    span: torch.Tensor, first: np.ndarray, count: np.ndarray, unit: int, page: torch.Tensor
+) -> torch.Tensor:
+    """``_sum_rows`` by ``gpu.wsum_kernel``: the runs' bytes are read once, in place."""
+    from connector.transfer.gpu import wsum_kernel
+
+    dev = span.device
+    row_words = unit // 4
+    words = span.view(torch.int32)  # span's length is a multiple of unit
+    cum = np.concatenate([[0], np.cumsum(count)])
+    n_rows = int(cum[-1])
+    mult = torch.from_numpy(_page_multipliers(0, -(-n_rows * row_words // PAGE))).to(dev)
+    first_d, cum_d = torch.from_numpy(first).to(dev), torch.from_numpy(cum).to(dev)
+    per = max(1, wsum_kernel.BLOCK_WORDS // row_words)  # a launch starts on a program's rows
+    step = -(-MAX_ROWS // per) * per
+    total = torch.zeros((), dtype=torch.int64, device=dev)
+    for r0 in range(0, n_rows, step):
+        src = _stream_rows(first_d, cum_d, r0, min(n_rows, r0 + step))
+        total += wsum_kernel.sum_rows(words, src, r0, row_words, page, mult)
+    return total
 
 
 def _sum_rows(
@@ -169,10 +217,7 @@ def _sum_rows(
     cum_d = torch.from_numpy(cum).to(dev)
     total = torch.zeros((), dtype=torch.int64, device=dev)
     for r0 in range(0, n_rows, chunk_rows):
-        r1 = min(n_rows, r0 + chunk_rows)
-        r = torch.arange(r0, r1, dtype=torch.int64, device=dev)
-        run = torch.searchsorted(cum_d, r, right=True) - 1
-        idx = first_d[run] + (r - cum_d[run])
+        idx = _stream_rows(first_d, cum_d, r0, min(n_rows, r0 + chunk_rows))
         data = rows.index_select(0, idx).view(-1)  # this chunk of the stream, in order
         if data.numel() % 4:
             data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])

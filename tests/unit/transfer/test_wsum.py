@@ -5,6 +5,10 @@ and refusing algorithms with a reason. On a CUDA machine the device sum equals t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -235,3 +239,33 @@ def test_a_device_error_is_no_digest_on_p_and_a_skip_on_d(monkeypatch: pytest.Mo
         lay, exp.block_ids, lay, exp.block_ids, first_token=0, num_tokens=20, heads=lay.heads
     )
     assert integrity.source_digest(lay, pieces, lay.heads, "VRAM") is None
+
+
+_KERNEL_CHECK = """
+import numpy as np, torch
+from connector.transfer import wsum
+from tests.unit.transfer.test_wsum import _place
+wsum.MAX_ROWS = 1 << 10  # several launches
+for unit in (4, 256, 4096):
+    rng = np.random.default_rng(unit)
+    stream = rng.integers(0, 256, 3 * 4 * wsum.PAGE + 3 * 4096, np.uint8).tobytes()
+    cuts = sorted(rng.choice(len(stream) // unit, 40, replace=False) * unit)
+    runs, keep = _place(stream, [int(c) for c in cuts], [0, 2 * unit], [3, 1, 2])
+    assert wsum._backend(torch.device("cpu"), unit) == "triton"
+    assert wsum.digest_runs(runs, "cpu") == wsum.reference(stream), unit
+print("ok")
+"""
+
+
+def test_the_triton_kernel_equals_the_definition() -> None:
+    """``gpu.wsum_kernel`` under Triton's CPU interpreter (what CUDA runs): several launches,
+    several pages, rows of one word to 4 KiB, runs placed out of order with gaps. In a fresh
+    interpreter: ``tl.sum``'s own jit functions pick the interpreter when triton is imported."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("Triton's interpreter before 3.9 is not what this kernel is checked with")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PUSHKV_WSUM_BACKEND": "triton"}
+    done = subprocess.run(
+        [sys.executable, "-c", _KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
