@@ -5,8 +5,9 @@ log directory, the skip when vLLM is not installed, and the one session-scoped p
 ``PdStack`` (P, D and the router; its start-up dominates the suite's time) with warmed-up
 HTTP clients. Tests that use the stack run after every other test, so the single servers of
 other modules are stopped before it starts (never more than one P/D pair on the machine).
-Before them run the users of the shared 1 P + 2 D stack (``tests/e2e/shared_1p2d.py``), the
-one marked ``restarts_servers`` last; that stack is stopped after its last user.
+Before them run the users of the shared 1 P + 2 D stack (``tests/e2e/shared_1p2d.py``), those
+marked ``restarts_servers`` after the others and those marked ``stops_servers`` (which leave
+servers down) last; that stack is stopped after its last user.
 Must not import vLLM (servers are child processes); tests start servers through
 ``connector.tools.stack`` and ``connector.tools.pdstack``.
 """
@@ -42,15 +43,20 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: starts real vLLM servers (slow, 2+ GiB each)")
     config.addinivalue_line(
-        "markers", "restarts_servers: restarts the shared 1P2D stack's servers (its last user)"
+        "markers", "restarts_servers: restarts the shared 1P2D stack's servers (after its others)"
+    )
+    config.addinivalue_line(
+        "markers", "stops_servers: stops the shared 1P2D stack's servers for good (its last user)"
     )
 
 
 def _order(item: pytest.Item) -> int:
     names = getattr(item, "fixturenames", ())
     if "pd" in names:
-        return 3
+        return 4
     if shared_1p2d.FIXTURE in names:
+        if item.get_closest_marker("stops_servers"):
+            return 3
         return 2 if item.get_closest_marker("restarts_servers") else 1
     return 0
 

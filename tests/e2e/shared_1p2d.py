@@ -5,10 +5,11 @@ Owns: the stack's layout (P on core 0, D0 on core 1, D1 beside P: loading D0 lea
 core), its start with warm-up, and ``extra_router``, another router process on the same
 servers for a test that needs a policy, member list or drain state of its own. The stack's
 own router runs ``--policy prefix``. D runs ``kv_load_failure_policy: fail`` (the rolling
-restart needs it: a failed load is a 500 the router retries, so a lost transfer shows); no
-routing test sees a failed load. The session fixture lives in ``tests/e2e/conftest.py``, which
-runs the users of this stack one after the other (the one that restarts servers last) and
-stops it after its last user.
+restart needs it: a failed load is a 500 the router retries, so a lost transfer shows; the
+shutdown test asserts that error); no routing test sees a failed load. The session fixture
+lives in ``tests/e2e/conftest.py``, which runs the users of this stack one after the other
+(the one that restarts servers, then the one that stops them, last) and stops it after its
+last user.
 """
 
 from __future__ import annotations
