@@ -3,8 +3,9 @@
 Starts P, D and the router on the tiny model (``connector.tools.pdstack``, short deadlines),
 computes each of ``--prompts`` prompts' single-instance answer on D (no KV transfer, a fresh
 ``cache_salt``), then sends ``--requests`` requests at ``--concurrency``, each a random one
-of those prompts; a share ``--abort-rate`` of them gives up after a random 10-500 ms (the
-client disconnects mid-prefill or mid-decode). When ``--restart-at`` of them were sent, P is
+of those prompts; a share ``--stream-share`` of them (spread evenly) asks for ``stream: true``
+(SSE), and a random share ``--abort-rate`` gives up after a random 10-500 ms (the client
+disconnects mid-prefill or mid-decode). When ``--restart-at`` of them were sent, P is
 killed (SIGKILL of its process group) and started again under the same engine id; the next
 ``--down-share`` are sent while P is down (D alone serves them), and the rest only once the
 restarted P answers ``/health``, so the run ends on P/D with the restarted P.
@@ -12,10 +13,12 @@ restarted P answers ``/health``, so the run ends on P/D with the restarted P.
 Prints one report and writes it as JSON to ``<run-dir>/soak.json``. It fails (exit 1)
 unless: no request hung (each ended within ``--request-timeout``); every completed answer
 agrees with the single instance's by the end-to-end tests' rule (``tests/e2e/greedy.py``:
-tokens equal but past a near-tie, logprobs within its tolerance); every failed one is a
-clear error (JSON with a message; never a bare 500); every request in flight at the kill or
-started soon after it ended within ``KILL_END_BOUND_S`` of the kill; the restarted P was
-sent a leg again soon after its ``/health`` answered; both servers' KV cache is back to idle.
+tokens equal but past a near-tie, logprobs within its tolerance), a stream's events added up;
+every failed one is a clear error (JSON with a message, never a bare 500; or an error event
+ending a stream, never a stream cut short or one that ends with ``[DONE]`` but is not
+whole); every request in flight at the kill or started soon after it ended within
+``KILL_END_BOUND_S`` of the kill; the restarted P was sent a leg again soon after its
+``/health`` answered; both servers' KV cache is back to idle.
 
     python -m bench.soak                      # 2,000 requests, 16 at a time (`make soak`)
     python -m bench.soak --requests 200       # a quick one
@@ -40,7 +43,8 @@ from typing import Any
 
 import httpx
 
-from bench.soak_report import Options, Report, Sent, check, judge, latencies
+from bench.soak_report import Options, Report, Sent, check, judge, judge_stream, latencies
+from bench.soak_stream import post_stream
 from connector.tools.pdstack import PdStack, metric_sum
 from connector.tools.tinymodel import make_tiny_model
 from tests.e2e.greedy import greedy_body
@@ -174,9 +178,17 @@ def soak(
     n = options.requests
     kill_index = int(n * options.restart_at)
     resume_index = kill_index + int(n * options.down_share)
+    # Streams are spread evenly, not drawn: every stretch of the run has its share of them,
+    # the requests in flight at the kill included.
+    share = options.stream_share
     plan = [
-        (rng.randrange(len(prompts)), rng.random() < options.abort_rate, rng.uniform(0.01, 0.5))
-        for _ in range(n)
+        (
+            rng.randrange(len(prompts)),
+            rng.random() < options.abort_rate,
+            rng.uniform(0.01, 0.5),
+            int((i + 1) * share) > int(i * share),
+        )
+        for i in range(n)
     ]
     lock = threading.Lock()
     records: list[Sent] = []
@@ -194,7 +206,7 @@ def soak(
         return c
 
     def one(i: int) -> None:
-        k, abort, patience = plan[i]
+        k, abort, patience, stream = plan[i]
         if i == kill_index:
             restarter.kill_now.set()
         if i >= resume_index and not restarter.p_back.wait(options.start_timeout_s + 60):
@@ -203,9 +215,13 @@ def soak(
             return  # the soak failed elsewhere: not sent
         t0 = time.monotonic()
         timeout = patience if abort else options.request_timeout_s
-        what = f"request {i} (prompt {k})"
+        what = f"request {i} (prompt {k}{', streamed' if stream else ''})"
+        body = greedy_body(prompts[k])
         try:
-            resp = client().post("/v1/completions", json=greedy_body(prompts[k]), timeout=timeout)
+            if stream:
+                read = post_stream(client(), body, timeout)
+            else:
+                resp = client().post("/v1/completions", json=body, timeout=timeout)
         except httpx.TimeoutException:
             outcome = "aborted" if abort else "hung"
         except httpx.HTTPError as exc:
@@ -213,10 +229,15 @@ def soak(
             with lock:
                 report.errors[f"client: {exc!r}"[:160]] += 1
         else:
-            outcome = judge(resp, refs[k], what, report, lock)
-        took = Sent(i, abort, t0 - t_start, time.monotonic() - t_start, outcome)
+            if stream:
+                outcome = judge_stream(read, refs[k], what, report, lock)
+            else:
+                outcome = judge(resp, refs[k], what, report, lock)
+        took = Sent(i, abort, stream, t0 - t_start, time.monotonic() - t_start, outcome)
         with lock:
             report.outcomes[outcome] += 1
+            if stream:
+                report.stream_outcomes[outcome] += 1
             records.append(took)
 
     restarter.start()
@@ -261,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=d.concurrency)
     ap.add_argument("--abort-rate", type=float, default=d.abort_rate)
     ap.add_argument(
+        "--stream-share", type=float, default=d.stream_share, help="share sent with stream: true"
+    )
+    ap.add_argument(
         "--restart-at", type=float, default=d.restart_at, help="share sent before P's crash"
     )
     ap.add_argument(
@@ -275,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests,
         concurrency=args.concurrency,
         abort_rate=args.abort_rate,
+        stream_share=args.stream_share,
         restart_at=args.restart_at,
         down_share=args.down_share,
         prompts=args.prompts,

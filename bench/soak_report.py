@@ -1,8 +1,10 @@
 """What a soak (``bench.soak``) measured and which of its promises broke: the run's options,
 each request as the client saw it, the report, and the checks that fill ``Report.problems``
-(no request hung; answers agree with the single instance by ``tests/e2e/greedy.py``'s rule;
-failures are clear errors; requests around P's kill end within ``KILL_END_BOUND_S``; the
-restarted P is used again within ``REUSE_BOUND_S`` of its ``/health``; the KV cache idles).
+(no request hung; answers, streamed ones too, agree with the single instance by
+``tests/e2e/greedy.py``'s rule; failures are clear errors: a JSON error with a message, or an
+error event ending a stream, never a stream cut short or one that looks complete but is not;
+requests around P's kill end within ``KILL_END_BOUND_S``; the restarted P is used again
+within ``REUSE_BOUND_S`` of its ``/health``; the KV cache idles).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from bench.soak_stream import StreamRead
 from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference
 
 _IDS = re.compile(r"[0-9a-f]{32}")  # transfer and request ids: errors group by their text
@@ -36,6 +39,7 @@ class Options:
     requests: int = 2000
     concurrency: int = 16
     abort_rate: float = 0.1
+    stream_share: float = 0.25  # share sent with stream: true (SSE), spread evenly
     restart_at: float = 0.5  # share sent before P's kill
     down_share: float = 0.25  # share sent while P is down; the rest waits for its restart
     prompts: int = 64
@@ -48,6 +52,8 @@ class Options:
             raise ValueError(f"P must be killed during the run: {self}")
         if self.restart_at + self.down_share > 1:
             raise ValueError(f"restart_at + down_share is over 1: {self}")
+        if not 0 <= self.stream_share <= 1:
+            raise ValueError(f"stream_share is not a share: {self}")
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Sent:
 
     index: int
     abort: bool
+    stream: bool
     started_s: float
     ended_s: float
     outcome: str  # ok, aborted, hung, mismatch, error, unclear_error, transport_error
@@ -66,6 +73,7 @@ class Report:
     options: Options
     commit: str = ""
     outcomes: Counter[str] = field(default_factory=Counter)
+    stream_outcomes: Counter[str] = field(default_factory=Counter)  # the streamed ones
     errors: Counter[str] = field(default_factory=Counter)  # "status: message" of failed ones
     mismatches: list[str] = field(default_factory=list)
     near_tie_parts: int = 0  # answers parting from the reference at a near-tie (allowed)
@@ -97,6 +105,28 @@ def clear_error(resp: httpx.Response) -> str | None:
     return str(msg) if msg else None
 
 
+def _agrees(
+    out: dict[str, Any], ref: dict[str, Any], what: str, report: Report, lock: threading.Lock
+) -> str:
+    """ok, or mismatch: ``out`` against the single instance's ``ref``."""
+    try:
+        agree = assert_matches_reference(out, ref, what)
+    except (AssertionError, KeyError, ValueError) as exc:
+        with lock:
+            report.mismatches.append(f"{what}: {exc}"[:400])
+        return "mismatch"
+    if agree < MAX_TOKENS:
+        with lock:
+            report.near_tie_parts += 1
+    return "ok"
+
+
+def _failed(report: Report, lock: threading.Lock, key: str, clear: bool) -> str:
+    with lock:
+        report.errors[_IDS.sub("*", key)] += 1
+    return "error" if clear else "unclear_error"
+
+
 def judge(
     resp: httpx.Response, ref: dict[str, Any], what: str, report: Report, lock: threading.Lock
 ) -> str:
@@ -104,20 +134,36 @@ def judge(
     one: JSON with a message, not a 500) or unclear_error."""
     if resp.status_code == 200:
         try:
-            agree = assert_matches_reference(resp.json(), ref, what)
-        except (AssertionError, KeyError, ValueError) as exc:
+            out = resp.json()
+        except ValueError as exc:
             with lock:
-                report.mismatches.append(f"{what}: {exc}"[:400])
+                report.mismatches.append(f"{what}: not JSON: {exc}"[:400])
             return "mismatch"
-        if agree < MAX_TOKENS:
-            with lock:
-                report.near_tie_parts += 1
-        return "ok"
+        return _agrees(out, ref, what, report, lock)
     msg = clear_error(resp)
-    text = _IDS.sub("*", (msg or resp.text)[:160])
-    with lock:
-        report.errors[f"{resp.status_code}: {text}"] += 1
-    return "error" if msg and resp.status_code != 500 else "unclear_error"
+    key = f"{resp.status_code}: {(msg or resp.text)[:160]}"
+    return _failed(report, lock, key, bool(msg) and resp.status_code != 500)
+
+
+def judge_stream(
+    read: StreamRead, ref: dict[str, Any], what: str, report: Report, lock: threading.Lock
+) -> str:
+    """A streamed answer's outcome, by the same rules: a status other than 200 as ``judge``
+    says; an error event is a clear error; a stream cut with neither ``[DONE]`` nor an error
+    event, or with events that are not JSON, is not; one that ended with ``[DONE]`` must add
+    up to the single instance's answer (a truncated one that looks complete is a mismatch)."""
+    if read.response.status_code != 200:
+        return judge(read.response, ref, what, report, lock)
+    if read.error is not None:
+        return _failed(report, lock, f"stream: {read.error[:160]}", True)
+    if not read.done or read.garbled:
+        key = f"stream: cut without [DONE] or an error event ({read.garbled} garbled events)"
+        return _failed(report, lock, key, False)
+    if read.finish_reason is None:
+        with lock:
+            report.mismatches.append(f"{what}: stream ended with no finish_reason")
+        return "mismatch"
+    return _agrees(read.completion(), ref, what, report, lock)
 
 
 def _percentiles(took: list[float]) -> dict[str, float]:
@@ -159,6 +205,8 @@ def latencies(
     ]
     report.around_kill = {
         "requests": len(around),
+        "streams": sum(r.stream for r in around),
+        "streams_in_flight": sum(r.stream and r.started_s < killed_s for r in around),
         "baseline_slowest_s": round(max(before, default=0.0), 3),
         "longest_s": round(max((r.ended_s - r.started_s for r in around), default=0.0), 3),
         "last_end_after_kill_s": round(max((r.ended_s - killed_s for r in around), default=0), 3),
