@@ -48,6 +48,7 @@ def results_table(points: Sequence[dict[str, Any]], configs: Sequence[str]) -> s
                 _ms(m.get("p90_ttft_ms")),
                 _ms(gap),
                 _ms(m.get("mean_tpot_ms"), 2),
+                _ms(m.get("median_itl_ms"), 2),
                 _ms(m.get("request_throughput"), 2),
                 ("" if p["ok"] else "FAILED: ") + p.get("reason", ""),
             ]
@@ -61,6 +62,7 @@ def results_table(points: Sequence[dict[str, Any]], configs: Sequence[str]) -> s
         "TTFT p90 ms",
         "p50 - single ms",
         "mean TPOT ms",
+        "ITL p50 ms",  # without the one gap push-ft adds after P's first token
         "req/s done",
         "note",
     ]
