@@ -21,11 +21,10 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from connector.core import auth
+from connector.core.leg_trace import TRACEPARENT_PATTERN
 from connector.core.messages import Host, Name, Port, TpSize, TraceContext, TransferId
 
-Traceparent = Annotated[
-    str, msgspec.Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
-]
+Traceparent = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]
 Tracestate = Annotated[str, msgspec.Meta(max_length=512)]
 
 

@@ -2,8 +2,9 @@
 
 Owns: ``ReqRecord``, the scheduler role's one record per request that carries a leg, and
 ``LegIntake``, which turns a request's ``kv_transfer_params`` into that record: a leg
-written for NixlConnector adapted (core/pairing.py), the leg parsed (kv_params.py), and on
-D the P coordinates it names checked against ``LegTrust`` before anything dials them. An
+written for NixlConnector adapted (core/pairing.py), given a trace if it names none
+(core/leg_trace.py), the leg parsed (kv_params.py), and on D the P coordinates it names
+checked against ``LegTrust`` before anything dials them. An
 untrusted leg is computed locally or refused, logged sparsely and reported as a
 ``leg_rejected`` span in the request's trace.
 """
@@ -15,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from connector.core import leg_trace, pairing
 from connector.core import lifecycle as lc
-from connector.core import pairing
 from connector.core.lifecycle import ReqState
 from connector.engine_spans import emit_leg_rejected
 from connector.kv_params import (
@@ -73,6 +74,7 @@ class LegIntake:
         ``KvParamsError`` or ``pairing.ForeignLegError`` for a leg that does not parse."""
         rid = request.request_id
         params, foreign = pairing.adapt(request.kv_transfer_params, rid)
+        params = leg_trace.with_trace(params, getattr(request, "trace_headers", None))
         if self._producer and (leg := parse_prefill_leg(params)) is not None:
             start = lc.start(lc.PrefillLegAdded(rid))
             return ReqRecord(request, start, prefill=leg, foreign=foreign)

@@ -8,7 +8,8 @@ sequentially (P's answer first, then D), and for the concurrent requests after i
 sends to P and D at once (P's answer said ``transfer_mode: "push"``); D computes no prompt
 token itself (``vllm:prompt_tokens_by_source_total``: external only); the transfers are
 paired by vllm-router's X-Request-Id (P's ``rendezvous_wait`` spans name it), for chat
-completions too (vLLM decorates the id differently there); a sequential
+completions too (vLLM decorates the id differently there); each request's P and D spans
+are one trace (derived from the transfer id: core/leg_trace.py); a sequential
 proxy (P first, then D with P's returned ``kv_transfer_params``, as vLLM's toy proxy and
 llm-d's sidecar do) gives the same; and a D leg whose P never got the request ends at D's
 own receive deadline, computed by D (vllm-router never aborts D).
@@ -19,23 +20,21 @@ Every process is started here and stopped by PID (its process group) on the way 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
-import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import Any
 
 import httpx
 import pytest
 
-from connector.tools.pdstack import PdStack
-from connector.tools.stack import ChildProcess, Stack, free_port
+from connector.core.leg_trace import derived_traceparent
+from connector.tools.pdstack import PdStack, distinct_free_ports
+from connector.tools.stack import Stack
+from connector.tools.vllm_router import VllmRouterProcess, vllm_router_installed
 from tests.e2e.conftest import Pd
 from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import (
@@ -51,7 +50,7 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(900),
     pytest.mark.skipif(
-        importlib.util.find_spec("vllm_router") is None,
+        not vllm_router_installed(),
         reason="vllm-router is not installed (pip install -e '.[test]')",
     ),
 ]
@@ -67,51 +66,10 @@ WRITE_TIMEOUT_S = 4.0
 P_FAILED_BOUND_S = RECEIVE_TIMEOUT_S + 20.0
 SPANS_WAIT_S = 30.0
 RENDEZVOUS = "pushkv.rendezvous_wait"
+AWAIT_KV = "pushkv.await_kv"
+CLIENT_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 FIRST_ARRIVED = "pushkv.rendezvous.first"
 TRANSFER_ID = "pushkv.transfer_id"
-
-
-@dataclass
-class VllmRouterProcess(ChildProcess):
-    """``vllm-router`` in vLLM's NIXL P/D mode in front of one P and one D; healthy when
-    its ``/health`` answers 200."""
-
-    kind: ClassVar[str] = "vllm-router"
-    prefill_url: str
-    decode_url: str
-    port: int
-    prometheus_port: int
-    log_path: Path | None = None
-    host: str = "127.0.0.1"
-    _proc: Any = field(default=None, init=False, repr=False)
-    _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
-
-    def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "vllm_router.launch_router",
-            "--vllm-pd-disaggregation",
-            "--kv-connector",
-            "nixl",
-            "--prefill",
-            self.prefill_url,
-            "--decode",
-            self.decode_url,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--prometheus-host",
-            self.host,
-            "--prometheus-port",
-            str(self.prometheus_port),
-            "--request-timeout-secs",
-            str(int(HTTP_TIMEOUT_S)),
-        ]
-
-    def start(self) -> None:
-        self._spawn(dict(os.environ))
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +84,14 @@ def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
             "write_timeout_s": WRITE_TIMEOUT_S,
         },
     )
+    port, metrics_port = distinct_free_ports(2)
     router = VllmRouterProcess(
         stack.prefill.url,
         stack.decode.url,
-        free_port(),
-        free_port(),
+        port,
+        metrics_port,
         log_path=stack.run_dir / "vllm-router.log",
+        request_timeout_s=int(HTTP_TIMEOUT_S),
     )
     stack.run_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as running:
@@ -146,8 +106,9 @@ def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
         yield Pd(stack, *clients)
 
 
-def rendezvous_spans(run_dir: Path, want: int) -> list[dict[str, str]]:
-    """P's ``rendezvous_wait`` spans (their string attributes) once there are ``want``."""
+def rendezvous_spans(run_dir: Path, want: int, name: str = RENDEZVOUS) -> list[dict[str, str]]:
+    """P's ``rendezvous_wait`` spans (or ``name``'s): their string attributes and
+    ``traceId``, once there are ``want``."""
     deadline = time.monotonic() + SPANS_WAIT_S
     while True:
         found = []
@@ -156,11 +117,14 @@ def rendezvous_spans(run_dir: Path, want: int) -> list[dict[str, str]]:
                 for rs in json.loads(line)["resourceSpans"] if line.strip() else ():
                     for ss in rs["scopeSpans"]:
                         for sp in ss["spans"]:
-                            if sp["name"] == RENDEZVOUS:
+                            if sp["name"] == name:
                                 found.append(
                                     {
-                                        a["key"]: a["value"].get("stringValue", "")
-                                        for a in sp.get("attributes", ())
+                                        "traceId": sp["traceId"],
+                                        **{
+                                            a["key"]: a["value"].get("stringValue", "")
+                                            for a in sp.get("attributes", ())
+                                        },
                                     }
                                 )
         if len(found) >= want or time.monotonic() > deadline:
@@ -172,7 +136,15 @@ def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) ->
     prompts = [random_prompt(LENGTHS[i % len(LENGTHS)], seed=7000 + i) for i in range(20)]
     before = source_tokens(stand.decode)
     t0 = time.monotonic()
-    first = post_ok(stand.router, "/v1/completions", greedy_body(prompts[0]))
+    # A client trace context on the cold request: vllm-router forwards the header, but vLLM
+    # drops it before the engine unless its own tracing is on (docs/routers.md).
+    resp = stand.router.post(
+        "/v1/completions",
+        json=greedy_body(prompts[0]),
+        headers={"traceparent": CLIENT_TRACEPARENT},
+    )
+    assert resp.status_code == 200, resp.text
+    first = resp.json()
     print(f"\n[vllm-router] cold first request: {(time.monotonic() - t0) * 1000:.0f} ms")
     first_spans = rendezvous_spans(stand.stack.run_dir, 1)
     t0 = time.monotonic()
@@ -202,6 +174,13 @@ def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) ->
     # Then P's answer switched vllm-router to push mode: both legs at once, so D's
     # registrations reached P before its prefills had finished (all of them, on this box).
     assert "registration" in firsts, firsts
+    # One trace per request, P's and D's spans in it (no traceparent in vllm-router's legs,
+    # none from vLLM): the one derived from the transfer id both sides share.
+    d_spans = rendezvous_spans(stand.stack.run_dir, len(prompts), AWAIT_KV)
+    awaits = {s[TRANSFER_ID]: s["traceId"] for s in d_spans}
+    for s in spans:
+        want = derived_traceparent(s[TRANSFER_ID]).split("-")[1]
+        assert (s["traceId"], awaits.get(s[TRANSFER_ID])) == (want, want), (s, awaits)
     for i, (prompt, got) in enumerate(zip(prompts, [first, *rest], strict=True)):
         assert_matches_reference(got, reference(stand, prompt), f"request {i}")
 

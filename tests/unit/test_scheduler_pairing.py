@@ -5,10 +5,12 @@ order of D's allocation and P's prefill."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from connector.core.leg_trace import derived_traceparent
 from connector.metadata import Handshake
 from connector.scheduler_side import SchedulerSide
 from tests.unit.core.test_pairing import VLLM_ROUTER_P_LEG, router_id, vllm_router_d_leg
@@ -108,3 +110,53 @@ def test_a_bad_engine_reference_is_computed_locally_with_the_reason() -> None:
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     _, out = s.request_finished(req, ([1],))
     assert out is not None and "names 1 ranks for remote_tp_size 2" in out["pushkv_error"]
+
+
+@dataclass
+class TracedReq(Req):
+    trace_headers: dict[str, str] | None = None  # vLLM's, from the request's headers
+
+
+CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def traced_legs(x: str, headers: dict[str, str] | None) -> tuple[Any, Any]:
+    """The trace contexts of P's staged push and D's registration for vllm-router's legs
+    of X-Request-Id ``x``, both sent with ``headers`` (vllm-router forwards the client's)."""
+    s, m = producer()
+    p_req = TracedReq(f"cmpl-{x}-0-1a2b3c4d", dict(VLLM_ROUTER_P_LEG), trace_headers=headers)
+    s.on_new_request(p_req)
+    m.ids[p_req.request_id] = ([3, 4, 5],)
+    (staged,) = s.build_connector_meta(SchedOut({p_req.request_id: 300})).prefills
+    _, answer = s.request_finished(p_req, ([3, 4, 5],))
+    assert answer is not None
+    d = consumer()
+    d_req = TracedReq(f"cmpl-{x}-0-0badcafe", vllm_router_d_leg(answer, x), trace_headers=headers)
+    d.on_new_request(d_req)
+    d.get_num_new_matched_tokens(d_req, 0)
+    d.update_state_after_alloc(d_req, Blocks([[7, 8, 9]]), 300)
+    (reg,) = d.build_connector_meta(SchedOut({})).registrations
+    return staged.leg.trace(), reg.leg.trace()
+
+
+def test_legs_without_a_traceparent_join_one_trace_per_request() -> None:
+    """vllm-router puts no traceparent in the legs: P and D take the client's header when
+    it sent one (forwarded to both), else one derived from the transfer id they share."""
+    x = router_id()
+    p, d = traced_legs(x, {"traceparent": CLIENT_TRACE, "tracestate": "k=v"})
+    assert p == d and (p.traceparent, p.tracestate) == (CLIENT_TRACE, "k=v")
+    p, d = traced_legs(x, None)
+    assert p == d and p.traceparent == derived_traceparent(x)
+    other_p, _ = traced_legs(router_id(), {"traceparent": "not-a-traceparent"})
+    assert other_p.traceparent.split("-")[1] != p.traceparent.split("-")[1]  # its own trace
+
+
+def test_a_legs_own_traceparent_wins_over_the_header() -> None:
+    s, m = producer()
+    own = "00-11111111111111111111111111111111-2222222222222222-01"
+    leg = {"do_remote_decode": True, "transfer_id": "t1", "traceparent": own}
+    req = TracedReq("r1", leg, trace_headers={"traceparent": CLIENT_TRACE})
+    s.on_new_request(req)
+    m.ids["r1"] = ([1],)
+    (staged,) = s.build_connector_meta(SchedOut({"r1": 300})).prefills
+    assert staged.leg.trace().traceparent == own

@@ -48,6 +48,7 @@ from connector.tools.bench.stacks import (
     CONFIGS,
     DEFAULT_CONFIGS,
     QUICK_CONFIGS,
+    require_fronts,
     wait_for_quiet_machine,
 )
 from connector.tools.bench.vllm_bench import Workload, git_commit
@@ -164,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rerender(args.rerender.resolve())
     workload = _workload(args)
     names = args.configs or list(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)
+    require_fronts(names)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or Path("runs") / f"bench-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,9 @@ Owns: ``BenchConfig`` and ``CONFIGS`` (every connector configuration the push-vs
 benchmark knows; ``DEFAULT_CONFIGS`` are the five it runs by default, in run order),
 ``BenchStack`` (a ``connector.tools.pdstack.PdStack`` that can load a connector class from another
 module and pass extra config, which ``PdStack`` alone cannot: it takes the module path from
-``CONNECTORS`` by class name), the port and process-group checks around each stack, and
-``wait_for_quiet_machine`` (wait until no other vLLM server runs before measuring).
+``CONNECTORS`` by class name; and that can put ``vllm-router`` in front of P and D instead of
+pushkv's router, the ``*-vr`` configurations), the port and process-group checks around each
+stack, and ``wait_for_quiet_machine`` (wait until no other vLLM server runs before measuring).
 
 Every configuration gets the same P/D command lines (``PdStack``'s flags, model, seed, KV
 size, ``kv_buffer_device: cpu``, engine ids ``prefill``/``decode``) and the same CPU binding
@@ -32,7 +33,15 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from connector.tools.pdstack import CONNECTORS, ConnectorSpec, PdStack
-from connector.tools.stack import ServerError, group_pids, port_is_free
+from connector.tools.stack import (
+    ChildProcess,
+    ServerError,
+    Stack,
+    free_port,
+    group_pids,
+    port_is_free,
+)
+from connector.tools.vllm_router import VllmRouterProcess, require_vllm_router
 
 NOPROG_MODULE = "connector.tools.bench.vllm_noprog"
 # The line vllm_noprog logs once its patch is active; must equal its PATCHED_MARKER (not
@@ -44,6 +53,9 @@ KEEPCPU_MODULE = "connector.tools.bench.vllm_keepcpu"
 KEEP_CPU_EXTRA_CONFIG: Mapping[str, Any] = {"bench_keep_cpu_binding": True}
 # What other engineers' servers look like (API server command line, EngineCore's proctitle).
 VLLM_PROCESS_PATTERN = "vllm.entrypoints|VLLM::"
+# Which router takes the clients' requests: pushkv's own (in the connector's router mode), or
+# vLLM's Rust router in its NIXL P/D mode (connector.tools.vllm_router; docs/routers.md).
+PUSHKV_ROUTER, VLLM_ROUTER = "pushkv", "vllm-router"
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,8 @@ class BenchConfig:
     # P, D and the router share a secret (docs/security.md): sealed messages, coordinates
     # signed by the router and checked by D. The secret goes to a file, never an argv.
     sealed: bool = False
-    router_args: tuple[str, ...] = ()  # more flags for the router
+    router_args: tuple[str, ...] = ()  # more flags for the router (pushkv's)
+    front: str = PUSHKV_ROUTER  # PUSHKV_ROUTER or VLLM_ROUTER
 
     @property
     def router_mode(self) -> str:
@@ -131,6 +144,24 @@ CONFIGS: dict[str, BenchConfig] = {
             "NixlConnector",
             description="vLLM NixlConnector, default (router --mode pull)",
         ),
+        # Behind the router P/D deployments already run (issue 32): the same P and D, with
+        # vllm-router in its NIXL P/D mode where pushkv's router was.
+        BenchConfig(
+            "push-vr",
+            "PushConnector",
+            description="pushkv PushConnector behind vllm-router (--vllm-pd-disaggregation "
+            "--kv-connector nixl), tracing on: P's and D's spans (no router span)",
+            front=VLLM_ROUTER,
+        ),
+        # No pushkv process in it: nothing to trace.
+        BenchConfig(
+            "vllm-push-vr",
+            "NixlPushConnector",
+            description="vLLM NixlPushConnector behind vllm-router (--vllm-pd-disaggregation "
+            "--kv-connector nixl)",
+            tracing=False,
+            front=VLLM_ROUTER,
+        ),
         BenchConfig(
             "vllm-push-noprog",
             "NixlPushConnector",
@@ -173,9 +204,42 @@ QUICK_CONFIGS = ("push", "vllm-push")
 @dataclass
 class BenchStack(PdStack):
     """``PdStack`` plus ``module_path_override``: when set, both servers load
-    ``kv_connector`` from that module (``kv_connector_module_path``), an installed one."""
+    ``kv_connector`` from that module (``kv_connector_module_path``), an installed one; and
+    ``front``: with ``VLLM_ROUTER``, ``vllm-router`` takes the clients' requests and
+    ``PdStack``'s router is never started."""
 
     module_path_override: str | None = None
+    front: str = PUSHKV_ROUTER
+    vllm_router: VllmRouterProcess | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.front == PUSHKV_ROUTER:
+            return
+        if self.front != VLLM_ROUTER:
+            raise ValueError(f"unknown front {self.front!r}: {PUSHKV_ROUTER} or {VLLM_ROUTER}")
+        # On the port picked for pushkv's router (never started), its metrics on one apart
+        # from every other port of the stack. Started with P and D: it checks them every
+        # second until both are up.
+        taken = set(self.ports().values())
+        metrics_port = next(p for p in iter(free_port, None) if p not in taken)
+        self.vllm_router = VllmRouterProcess(
+            self.prefill.url,
+            self.decode.url,
+            self.router.port,
+            metrics_port,
+            log_path=self.run_dir / "vllm-router.log",
+        )
+        self._stack = Stack([self.prefill, self.decode, self.vllm_router])
+
+    @property
+    def entry(self) -> ChildProcess:
+        """The router clients send requests to."""
+        return self.router if self.vllm_router is None else self.vllm_router
+
+    @property
+    def url(self) -> str:
+        return self.entry.url
 
     def _connector(self) -> ConnectorSpec:
         spec = super()._connector()
@@ -189,8 +253,10 @@ class BenchStack(PdStack):
         ports = {
             "prefill": self.prefill.port,
             "decode": self.decode.port,
-            "router": self.router.port,
+            "router": self.entry.port,
         }
+        if self.vllm_router is not None:
+            ports["router-metrics"] = self.vllm_router.prometheus_port
         for name, server in (("prefill", self.prefill), ("decode", self.decode)):
             side = server.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
             if side is not None:
@@ -200,8 +266,19 @@ class BenchStack(PdStack):
     def group_leaders(self) -> list[int]:
         """The PIDs leading the three process groups (None for a service not started)."""
         return [
-            pid for pid in (self.prefill.pid, self.decode.pid, self.router.pid) if pid is not None
+            pid for pid in (self.prefill.pid, self.decode.pid, self.entry.pid) if pid is not None
         ]
+
+    def describe(self) -> str:
+        if self.vllm_router is None:
+            return super().describe()
+        r = self.vllm_router
+        return "\n".join(
+            [
+                f"{'vllm-router':8} {r.url:24} pid {r.pid}  log {r.log_path}",
+                *super().describe().splitlines()[1:],  # P and D
+            ]
+        )
 
 
 def make_stack(
@@ -217,6 +294,8 @@ def make_stack(
     ``server_args``: appended to both vLLM command lines (e.g. a longer context);
     ``gpus``: P's and D's CUDA_VISIBLE_DEVICES on a GPU host (None: both see every GPU),
     where vLLM's connectors then keep their KV buffers on the GPU."""
+    if config.front == VLLM_ROUTER:
+        require_vllm_router(f"configuration {config.name}")
     extra, router_args = dict(config.extra_config), list(config.router_args)
     if config.sealed:
         secret = write_secret(run_dir / f"{config.name}.secret")
@@ -230,6 +309,7 @@ def make_stack(
         decode_extra_config=extra,
         router_args=router_args,
         module_path_override=config.module_path,
+        front=config.front,
         tracing=config.tracing,
         pin_servers=pin_servers,
         server_args=tuple(server_args),
@@ -237,6 +317,18 @@ def make_stack(
         decode_gpus=None if gpus is None else gpus[1],
         kv_buffer_device="cpu" if gpus is None else "cuda",
     )
+
+
+def require_fronts(names: Sequence[str]) -> None:
+    """``SystemExit`` before anything starts when a configuration of ``names`` (names not in
+    ``CONFIGS`` are ignored: ``single``) needs ``vllm-router`` and it is not installed."""
+    for name in names:
+        config = CONFIGS.get(name)
+        if config is not None and config.front == VLLM_ROUTER:
+            try:
+                require_vllm_router(f"configuration {name}")
+            except ServerError as exc:
+                raise SystemExit(str(exc)) from None
 
 
 def write_secret(path: Path) -> Path:

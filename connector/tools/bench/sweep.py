@@ -29,7 +29,7 @@ from typing import Any
 
 from connector.tools.bench import sweep_points, sweep_run, trace_slices
 from connector.tools.bench.single import SINGLE, SINGLE_DESCRIPTION
-from connector.tools.bench.stacks import CONFIGS
+from connector.tools.bench.stacks import CONFIGS, require_fronts
 from connector.tools.bench.sweep_args import (
     DEFAULT_CONFIGS,
     SMOKE_CONFIGS,
@@ -124,6 +124,7 @@ def main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     plan = make_plan(args)
     configs = list(args.configs or (SMOKE_CONFIGS if args.smoke else DEFAULT_CONFIGS))
+    require_fronts(configs)
     model, model_config = resolve_model(args.model or ("tiny" if args.smoke else "tiny-kv"))
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or Path("runs") / f"sweep-{stamp}").resolve()

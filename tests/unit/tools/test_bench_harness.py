@@ -12,10 +12,11 @@ import pytest
 
 from bench import aggregate
 from connector.config import parse_config
-from connector.tools.bench.stacks import CONFIGS, make_stack
+from connector.tools import vllm_router
+from connector.tools.bench.stacks import CONFIGS, make_stack, require_fronts
 from connector.tools.bench.vllm_bench import Workload, bench_command
 from connector.tools.pdstack import GPU_UCX_TLS, GPU_UCX_TLS_ENV, cpu_set
-from connector.tools.stack import VllmServer
+from connector.tools.stack import ServerError, VllmServer
 
 
 def test_cpu_lists_parse_like_vllms_omp_bind() -> None:
@@ -222,3 +223,45 @@ def test_a_gpu_stack_gives_ucx_the_cuda_transports_unless_told_otherwise(
     stack = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "b", gpus=("0", "0"))
     assert stack.prefill.env["UCX_TLS"] == "sm,self,cuda_copy,cuda_ipc"
     assert stack.decode.env["UCX_TLS"] == "sm,self,cuda_copy,cuda_ipc"
+
+
+@pytest.mark.parametrize(
+    ("name", "connector", "traced"),
+    [("push-vr", "PushConnector", True), ("vllm-push-vr", "NixlPushConnector", False)],
+)
+def test_vr_configs_put_vllm_router_in_front_of_p_and_d(
+    name: str, connector: str, traced: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The *-vr stacks start P, D and vllm-router (NIXL P/D mode, in front of that P and D)
+    and never pushkv's router; clients reach vllm-router; only pushkv's engines trace."""
+    monkeypatch.setattr(vllm_router, "vllm_router_installed", lambda: True)
+    stack = make_stack(CONFIGS[name], tmp_path / "m", tmp_path)
+    front = stack.vllm_router
+    assert front is not None and stack.url == front.url
+    assert stack._stack.services == [stack.prefill, stack.decode, front]
+    cmd = front.command()
+    assert cmd[cmd.index("-m") + 1] == "vllm_router.launch_router"
+    assert "--vllm-pd-disaggregation" in cmd and cmd[cmd.index("--kv-connector") + 1] == "nixl"
+    assert cmd[cmd.index("--prefill") + 1] == stack.prefill.url
+    assert cmd[cmd.index("--decode") + 1] == stack.decode.url
+    ports = stack.ports()
+    assert ports["router"] == front.port and ports["router-metrics"] == front.prometheus_port
+    assert len(set(ports.values())) == len(ports), ports
+    for server in (stack.prefill, stack.decode):
+        assert server.kv_transfer_config is not None
+        assert server.kv_transfer_config["kv_connector"] == connector
+        assert ("PUSHKV_RUN_DIR" in server.env) is traced
+        assert (server.env.get("OTEL_SDK_DISABLED") == "true") is not traced
+    plain = make_stack(CONFIGS["push"], tmp_path / "m", tmp_path / "plain")
+    assert plain.vllm_router is None and plain.url == plain.router.url
+
+
+def test_vr_configs_need_vllm_router_installed_and_say_so_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_router, "vllm_router_installed", lambda: False)
+    require_fronts(["single", "push", "vllm-push"])  # none needs it
+    with pytest.raises(SystemExit, match=r"configuration push-vr needs vllm-router.*pip install"):
+        require_fronts(["single", "push", "push-vr"])
+    with pytest.raises(ServerError, match="vllm-push-vr needs vllm-router"):
+        make_stack(CONFIGS["vllm-push-vr"], tmp_path / "m", tmp_path)

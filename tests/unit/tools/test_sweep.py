@@ -54,6 +54,16 @@ def test_plan_sizes_points_by_rate_and_gives_each_point_its_own_seed() -> None:
     assert plan.max_model_len() == 2048 + 32 + 64
 
 
+def test_the_vllm_router_configurations_are_selectable_with_any_plan() -> None:
+    args = sweep_args.parse_args(
+        ["--smoke", "--configs", "push", "push-vr", "vllm-push-vr", "--rates", "2"]
+    )
+    assert args.configs == ["push", "push-vr", "vllm-push-vr"]
+    assert [p.name for p in sweep_args.make_plan(args).points()] == ["in256-r2"]
+    with pytest.raises(SystemExit):  # argparse: not a configuration
+        sweep_args.parse_args(["--configs", "push-vllm-router"])
+
+
 def test_a_point_is_ok_only_when_every_request_completed(tmp_path: Path) -> None:
     plan = SweepPlan((128,), (2.0,), point_s=1.0, min_prompts=12)
     point = Point(128, 2.0)
