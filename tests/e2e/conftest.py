@@ -4,7 +4,8 @@ Owns: the ``e2e`` marker registration, the session-scoped tiny model path, the p
 log directory, the skip when vLLM is not installed, and the one session-scoped push
 ``PdStack`` (P, D and the router; its start-up dominates the suite's time) with warmed-up
 HTTP clients. Tests that use the stack run after every other test, so the single servers of
-other modules are stopped before it starts (never more than one P/D pair on the machine).
+other modules are stopped before it starts (never more than one P/D pair on the machine);
+the one marked ``stops_pd`` (a stop right after requests) runs last of all.
 Before them run the users of the shared 1 P + 2 D stack (``tests/e2e/shared_1p2d.py``), those
 marked ``restarts_servers`` after the others and those marked ``stops_servers`` (which leave
 servers down) last; that stack is stopped after its last user.
@@ -48,12 +49,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "stops_servers: stops the shared 1P2D stack's servers for good (its last user)"
     )
+    config.addinivalue_line("markers", "stops_pd: stops the session's push stack (its last user)")
 
 
 def _order(item: pytest.Item) -> int:
     names = getattr(item, "fixturenames", ())
     if "pd" in names:
-        return 4
+        return 5 if item.get_closest_marker("stops_pd") else 4
     if shared_1p2d.FIXTURE in names:
         if item.get_closest_marker("stops_servers"):
             return 3

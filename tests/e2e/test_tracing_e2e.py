@@ -31,7 +31,7 @@ from telemetry.otlp_json import attributes as otlp_attributes
 from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
 from tests.budget import BOUNDS, Budget, RecordProperty
-from tests.e2e.conftest import START_TIMEOUT_S, Pd
+from tests.e2e.conftest import Pd
 from tests.e2e.greedy import greedy_body
 from tests.e2e.test_push_e2e import decode_leg, random_prompt, stream_text
 
@@ -329,33 +329,25 @@ def test_router_exports_over_otlp_http_to_a_receiver(pd: Pd, tmp_path: Path) -> 
         )
 
 
-def test_spans_are_written_when_the_stack_stops_right_after(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+@pytest.mark.stops_pd
+def test_spans_are_written_when_the_stack_stops_right_after(pd: Pd) -> None:
     """Stop P, D and the router the moment the answers are in: every span is in the files
-    (vLLM's processes and uvicorn end by signals, where atexit handlers never run)."""
-    import httpx
-
-    from connector.tools.pdstack import PdStack
-
-    stack = PdStack(tiny_model, tmp_path / "stack")
+    (vLLM's processes and uvicorn end by signals, where atexit handlers never run). The
+    session's stack, stopped by its last user (``stops_pd``: conftest runs it last)."""
     sent: dict[str, tuple[str, str]] = {}
-    stack.start(START_TIMEOUT_S)
     try:
         for i in range(3):
             trace_id, span_id, header = traceparent()
-            r = httpx.post(
-                f"{stack.url}/v1/completions",
-                timeout=120.0,
-                trust_env=False,
+            r = pd.router.post(
+                "/v1/completions",
                 headers={"traceparent": header},
                 json=greedy_body(random_prompt(100, seed=300 + i), max_tokens=4),
             )
             assert r.status_code == 200, r.text
             sent[trace_id] = (span_id, f"request {i}")
     finally:
-        stack.stop()
-    got = read_spans(stack.run_dir, set(sent))  # no waiting: everything is stopped
+        pd.stack.stop()
+    got = read_spans(pd.stack.run_dir, set(sent))  # no waiting: everything is stopped
     for trace_id, (span_id, what) in sent.items():
         check_push_trace(got.get(trace_id, []), span_id, what)
 
