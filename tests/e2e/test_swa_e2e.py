@@ -49,6 +49,10 @@ def test_hybrid_kv_cache_manager_with_sliding_windows_is_refused_at_start_up(
         make_tiny_model(name="tiny-swa"),
         free_port(),
         kv_transfer_config=kv_transfer_config("PushConnector", "kv_producer", "swa-p", {}),
+        # The refusal is the connector's __init__ on the KV cache groups vLLM built, wherever
+        # the worker runs: without V1 multiprocessing vLLM's CPU platform keeps the uniprocess
+        # executor, whose worker lives in EngineCore's process (one Python start fewer).
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         log_path=log,
     )
     srv.start()
