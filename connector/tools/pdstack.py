@@ -342,6 +342,7 @@ class PdStack(StartStop):
             extra_args=list(self.server_args),
             log_path=self.run_dir / f"{name}.log",
             cpu_affinity=self._affinity(cpus),
+            eager=gpus is None,
         )
 
     def _affinity(self, cpus: str) -> frozenset[int] | None:

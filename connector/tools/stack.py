@@ -266,6 +266,9 @@ class VllmServer(ChildProcess, StartStop):
     max_model_len: int = 2048
     kv_cache_memory_bytes: int = KV_CACHE_MEMORY_BYTES
     seed: int = 0
+    # vLLM's CPU build runs eager; on a GPU, CUDA graphs (vLLM's default) are what users run
+    # and what decides a decode step's time there.
+    eager: bool = True
     python: str = sys.executable
     # CPUs the whole server (API server, EngineCore, their threads) starts on, like a host
     # of its own (pushkv's transfer thread stays inside it); None: wherever the OS puts it.
@@ -301,7 +304,7 @@ class VllmServer(ChildProcess, StartStop):
             "bfloat16",
             "--max-model-len",
             str(self.max_model_len),
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.eager else []),
             "--seed",
             str(self.seed),
             "--kv-cache-memory-bytes",

@@ -50,6 +50,7 @@ class SingleStack:
             env=env,
             extra_args=list(self.server_args),
             log_path=self.run_dir / "single.log",
+            eager=self.gpus is None,
             cpu_affinity=wanted if pin and wanted <= os.sched_getaffinity(0) else None,
         )
 

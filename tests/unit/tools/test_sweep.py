@@ -318,8 +318,9 @@ def test_sweeps_are_found_by_their_sweep_json(tmp_path: Path) -> None:
 
 
 def test_gpus_put_p_d_and_single_each_on_their_own_devices(tmp_path: Path) -> None:
-    """``--gpus 0 1``: P sees GPU 0, D GPU 1, the single instance P's; without it the
-    environment is left alone (every server sees every GPU)."""
+    """``--gpus 0 1``: P sees GPU 0, D GPU 1, the single instance P's, each with CUDA graphs
+    (what users run on a GPU); without it the environment is left alone (every server sees
+    every GPU) and vLLM's CPU build runs eager."""
     args = sweep_args.parse_args(["--gpus", "0", "1"])
     setup = sweep_setup.Setup(
         sweep_args.make_plan(args), tmp_path / "m", (), False, tmp_path, 0.0, gpus=tuple(args.gpus)
@@ -330,6 +331,8 @@ def test_gpus_put_p_d_and_single_each_on_their_own_devices(tmp_path: Path) -> No
     assert pair.decode.kv_transfer_config["kv_buffer_device"] == "cuda"  # type: ignore[attr-defined]
     single = sweep_run._make(sweep_run.SINGLE, setup, tmp_path / "single")
     assert single.server.env["CUDA_VISIBLE_DEVICES"] == "0"  # type: ignore[attr-defined]
+    for server in (pair.prefill, pair.decode, single.server):  # type: ignore[attr-defined]
+        assert "--enforce-eager" not in server.command()
     plain = sweep_run._make(
         "push",
         sweep_setup.Setup(setup.plan, setup.model, (), False, tmp_path, 0.0),
@@ -337,6 +340,7 @@ def test_gpus_put_p_d_and_single_each_on_their_own_devices(tmp_path: Path) -> No
     )
     assert "CUDA_VISIBLE_DEVICES" not in plain.prefill.env  # type: ignore[attr-defined]
     assert plain.prefill.kv_transfer_config["kv_buffer_device"] == "cpu"  # type: ignore[attr-defined]
+    assert "--enforce-eager" in plain.prefill.command()  # type: ignore[attr-defined]
 
 
 def test_dtype_auto_is_float32_only_on_a_cpu_without_native_bf16(
