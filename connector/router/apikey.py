@@ -2,9 +2,9 @@
 
 Owns: ``ApiKeyGate`` (OpenAI-style ``Authorization: Bearer <key>``, compared in constant
 time with ``hmac.compare_digest``; every route but the open ones, ``/health`` by default,
-answers 401 without it) and ``bearer`` (the token of a header). The client's header never
-reaches a backend when a key is set (``app.py``); the backends' own key is
-``RouterConfig.backend_api_key``. TLS is terminated in front of the router
+answers 401 without it), ``bearer`` (the token of a header) and
+``forwarded_authorization`` (the client's header never reaches a backend when a key is set;
+the backends' own key is ``RouterConfig.backend_api_key``). TLS is terminated in front of the router
 (docs/security.md).
 """
 
@@ -13,8 +13,12 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from connector.router.config import RouterConfig
 
 _BODY = json.dumps(
     {
@@ -35,6 +39,12 @@ def bearer(header: bytes | None) -> bytes | None:
     if scheme.lower() != b"bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def forwarded_authorization(config: RouterConfig, header: str | None) -> str | None:
+    """The client's header goes to the backends only while the router has no keys of its
+    own: with ``--api-key`` it holds the router's key, and a backend key replaces it."""
+    return None if config.api_key or config.backend_api_key else header
 
 
 class ApiKeyGate:

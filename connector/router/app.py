@@ -2,10 +2,11 @@
 
 Owns: ``RouterState`` (everything one app instance holds: backends, in-flight background
 tasks, counters; no module globals), ``create_app(config)`` with its lifespan and routes,
-the read-only endpoints (``/v1/models``, ``/health``, ``/router/stats``, ``/metrics``), and
-``main(argv)`` (``serve.py``: uvicorn, the drain on SIGTERM). The OpenAI endpoints
-(``/v1/completions``, ``/v1/chat/completions``) are ``proxy.py``'s; ``/admin/``:
-``drain.py``, ``membership.py``.
+the router's own read-only endpoints (``/health``, ``/router/stats``, ``/metrics``), and
+``main(argv)`` (``serve.py``: uvicorn, the drain on SIGTERM). The generation endpoints
+(``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``) are ``proxy.py``'s;
+vLLM's others (``/v1/models``, ``/tokenize``...) and the 404 for the rest,
+``passthrough.py``'s; ``/admin/``: ``drain.py``, ``membership.py``.
 
 Must not import: vLLM, NIXL, torch (the router runs in its own process, next to neither).
 """
@@ -27,7 +28,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from connector.router import legs, priority
-from connector.router.answer import error_response
 from connector.router.apikey import ApiKeyGate
 from connector.router.backends import Backends, Role
 from connector.router.config import RouterConfig, parse_args
@@ -36,9 +36,9 @@ from connector.router.drain import RouterDrain, admin_routes
 from connector.router.looplag import LoopLag
 from connector.router.membership import membership_routes
 from connector.router.metrics import RouterMetrics
+from connector.router.passthrough import not_served, passthrough_routes
 from connector.router.proxy import ProxyEndpoint
 from connector.router.relay import DEGRADED
-from connector.router.upstream import TransportError, from_exception
 
 logger = logging.getLogger(__name__)
 
@@ -143,20 +143,6 @@ def create_app(
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse(body)
 
-    async def models(_request: Request) -> Response:
-        d = state.backends.pick(Role.DECODE)
-        if d is None:
-            return error_response(503, "no healthy decode server", "service_unavailable")
-        try:
-            r = await d.http.request("GET", "/v1/models")
-        except TransportError as exc:
-            err = from_exception(exc, d, "/v1/models")
-            body, ctype = err.http_body()
-            return Response(body, status_code=err.status, media_type=ctype)
-        return Response(
-            r.content, status_code=r.status_code, media_type=r.content_type or "application/json"
-        )
-
     async def stats(_request: Request) -> Response:
         return JSONResponse(state.stats())
 
@@ -179,13 +165,15 @@ def create_app(
             Route(
                 "/v1/chat/completions", ProxyEndpoint(state, legs.Endpoint.CHAT), methods=["POST"]
             ),
-            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/responses", ProxyEndpoint(state, legs.Endpoint.RESPONSES), methods=["POST"]),
+            *passthrough_routes(state),
             Route("/health", health, methods=["GET"]),
             Route("/router/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *admin_routes(state.backends),
             *membership_routes(state.backends, config.drain_timeout_s),
         ],
+        exception_handlers={404: not_served},
         lifespan=lifespan,
     )
     app.state.router = state

@@ -18,7 +18,7 @@ import re
 import secrets
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from msgspec import UNSET, UnsetType
 
@@ -43,10 +43,11 @@ T = TypeVar("T")
 
 
 class Endpoint(enum.Enum):
-    """The two generation endpoints; the value is (path, the key that must be present)."""
+    """The generation endpoints; the value is (path, the key that must be present)."""
 
     COMPLETIONS = ("/v1/completions", "prompt")
     CHAT = ("/v1/chat/completions", "messages")
+    RESPONSES = ("/v1/responses", "input")  # always D alone: ``decode_alone_reason``
 
     @property
     def path(self) -> str:
@@ -75,6 +76,9 @@ def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
     if endpoint is Endpoint.CHAT:
         if not isinstance(value, list) or not value:
             raise InvalidRequest("'messages' must be a non-empty list")
+    elif endpoint is Endpoint.RESPONSES:
+        if not isinstance(value, str | list):
+            raise InvalidRequest("'input' must be a string or a list")
     elif isinstance(value, list):
         if not value:
             raise InvalidRequest("'prompt' must not be empty")
@@ -87,11 +91,21 @@ def parse_client_body(raw: bytes, endpoint: Endpoint) -> JsonObj:
     return body
 
 
-def decode_alone_reason(body: JsonObj) -> str | None:
+# vLLM 0.32's Responses server gives the request's kv_transfer_params to every engine
+# request of its tool loop (``<id>_<n>``, serving.py ``_generate_with_builtin_tools``).
+RESPONSES_ALONE: Final = (
+    "Responses API: vLLM passes kv_transfer_params to each engine request of its tool loop, "
+    "and one transfer feeds one"
+)
+
+
+def decode_alone_reason(body: JsonObj, endpoint: Endpoint) -> str | None:
     """Why a valid request goes to D alone (D computes its prompt, as vLLM serves it), or
     None: what one transfer cannot carry. vLLM makes an engine request per prompt of a list
     and per sequence of ``n`` / ``best_of``, and one transfer_id pairs one P request with
     one D request. Values vLLM would refuse go to D too, which answers its own 400."""
+    if endpoint is Endpoint.RESPONSES:
+        return RESPONSES_ALONE
 
     def more_than_one(key: str) -> bool:
         v = body.get(key)

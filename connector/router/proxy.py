@@ -1,5 +1,5 @@
-"""The router's OpenAI endpoints (``/v1/completions``, ``/v1/chat/completions``): one
-client request from its arrival to its answer.
+"""The router's generation endpoints (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/responses``): one client request from its arrival to its answer.
 
 Owns: ``ProxyEndpoint``, a raw ASGI app per endpoint (the drain gate, the client's body
 parsed, the request's trace and metrics ended however it went, the router's own failure as
@@ -23,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from connector.router import arrival, legs
 from connector.router.answer import SSE_DONE, error_response
+from connector.router.apikey import forwarded_authorization
 from connector.router.relay import serve_request
 from connector.router.tracing import RequestTrace
 from telemetry.schema import Outcome
@@ -76,7 +77,8 @@ class _Exchange:
 
 
 class ProxyEndpoint:
-    """``POST /v1/completions`` and ``/v1/chat/completions``, as a raw ASGI app: it must
+    """``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (always
+    D alone: ``legs.decode_alone_reason``), as a raw ASGI app: it must
     watch for the client's disconnect while it waits on the legs, which a Starlette
     request/response endpoint does not do."""
 
@@ -181,7 +183,9 @@ class ProxyEndpoint:
                     body,
                     request_id=request_id,
                     trace=trace,
-                    authorization=self._forwarded_authorization(request),
+                    authorization=forwarded_authorization(
+                        self.state.config, request.headers.get("authorization")
+                    ),
                     send=counted,
                     unavailable=lambda reason: error_response(503, reason, "service_unavailable")(
                         scope, receive, counted
@@ -190,12 +194,6 @@ class ProxyEndpoint:
             finally:
                 tg.cancel_scope.cancel()
         return None  # the client left
-
-    def _forwarded_authorization(self, request: Request) -> str | None:
-        """The client's header goes to the backends only while the router has no keys of
-        its own: with ``--api-key`` it holds the router's key, and a backend key replaces it."""
-        c = self.state.config
-        return None if c.api_key or c.backend_api_key else request.headers.get("authorization")
 
 
 def _exc_message(exc: Exception) -> str:

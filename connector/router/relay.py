@@ -116,7 +116,7 @@ async def serve_request(
     failed: dict[Role, set[int]] = {Role.PREFILL: set(), Role.DECODE: set()}
     last: Retry | None = None
     prefix = prefix_of(router.config, body)
-    alone = legs.decode_alone_reason(body)
+    alone = legs.decode_alone_reason(body, endpoint)
     for attempt in range(1, max_attempts + 1):
         route_start = time.time_ns()
         p, d = route(router, failed, prefix, decode_alone=alone is not None)

@@ -13,11 +13,13 @@ restart shares (it runs after these tests).
 - Two router replicas (``--policy prefix``, the Ds listed in opposite orders): a prefix sent
   first through one and then through both at once reaches one D, whose cache serves it.
 - ``n = 3``, ``best_of = 2`` and a list of 4 prompts (D alone) equal the single instance's.
+- ``/v1/responses`` (D alone), streamed and not, equals the same request sent to each D.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 import uuid
@@ -29,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from connector.router import legs
 from connector.tools.hoststack import HostStack
 from connector.tools.pdstack import metric_sum
 from dashboard.routing import d_local_tokens
@@ -401,3 +404,59 @@ def test_n_best_of_and_prompt_lists_return_what_the_single_instance_returns(
             for i, (gc, fc) in enumerate(zip(g, f, strict=True)):
                 assert_matches_reference(gc, fc, f"{what}, choice {i}")
             print(f"[routing] {what}: {len(g)} choice(s) equal the single instance's")
+
+
+def _response_text(r: httpx.Response, stream: bool) -> str:
+    """The output text of a Responses API answer: the ``response.completed`` event's
+    response when streamed (its deltas must add up to it), else the answer itself."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()
+    else:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        (out,) = [e["response"] for e in events if e["type"] == "response.completed"]
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert deltas == _output_text(out), (deltas, out)
+    return _output_text(out)
+
+
+def _output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        c["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for c in item["content"]
+        if c["type"] == "output_text"
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_through_the_router_equals_d_alone(stack: HostStack, stream: bool) -> None:
+    """``/v1/responses`` goes to D alone (``legs.RESPONSES_ALONE``): the router's answer
+    equals the same greedy request sent to each D (a fresh ``cache_salt`` on every request:
+    each computes the whole prompt), and the reason is on the request span."""
+    body = {
+        "model": "tiny",
+        "input": random_prompt(60, seed=3700),
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "store": False,
+        "stream": stream,
+    }
+    trace_id = uuid.uuid4().hex
+    headers = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+    with _client(stack.url) as r:
+        salted = {**body, "cache_salt": uuid.uuid4().hex}
+        got = r.post("/v1/responses", json=salted, headers=headers)
+    text = _response_text(got, stream)
+    assert text, got.text  # 16 tokens with EOS ignored
+    for d in stack.decodes:
+        with _client(d.url) as c:
+            ref = c.post("/v1/responses", json={**body, "cache_salt": uuid.uuid4().hex})
+        assert _response_text(ref, stream) == text, (d.url, ref.text, got.text)
+    (trace,) = wait_traces(stack.run_dir, [trace_id], (Span.REQUEST,))
+    root = trace.first(Span.REQUEST.value)
+    assert root is not None
+    assert str(root.attr(Attr.ROUTE_REASON.value)).startswith(f"D alone: {legs.RESPONSES_ALONE}")
+    print(f"[routing] /v1/responses (stream={stream}): {text!r} equals each D's")

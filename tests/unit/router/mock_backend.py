@@ -76,6 +76,8 @@ class MockBackend:
         self.token_ids = True  # honour return_token_ids
         self.requests: list[Seen] = []
         self.probes: list[Seen] = []
+        self.others: list[Seen] = []  # requests to vLLM's non-generation endpoints
+        self.stored: set[str] = set()  # /v1/responses/{id} this backend knows
         self.responses: list[bytes] = []  # non-streamed bodies sent, byte for byte
         self.health_checks = 0
         # /metrics: vLLM's queue and KV gauges (the engine-load and prefix policies read them)
@@ -107,6 +109,11 @@ class MockBackend:
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/v1/completions", self._generate, methods=["POST"]),
                 Route("/v1/chat/completions", self._generate, methods=["POST"]),
+                Route("/v1/responses", self._generate, methods=["POST"]),
+                Route("/version", self._other, methods=["GET"]),
+                Route("/tokenize", self._other, methods=["POST"]),
+                Route("/v1/responses/{rid}", self._other, methods=["GET"]),
+                Route("/v1/responses/{rid}/cancel", self._other, methods=["POST"]),
             ]
         )
 
@@ -127,6 +134,18 @@ class MockBackend:
 
     async def _models(self, _request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _other(self, request: Request) -> Response:
+        """vLLM's other endpoints: what arrived, echoed; a stored response only if this
+        backend holds it (``stored``), else vLLM's 404."""
+        raw = await request.body()
+        seen = Seen(request.url.path, json.loads(raw) if raw else {}, dict(request.headers))
+        self.others.append(seen)
+        rid = request.path_params.get("rid")
+        if rid is not None and rid not in self.stored:
+            return JSONResponse({"error": {"message": f"{rid} not found"}}, status_code=404)
+        echo = {"backend": self.name, "path": seen.path, "query": request.url.query}
+        return JSONResponse({**echo, "body": seen.body})
 
     async def _until_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":

@@ -50,4 +50,4 @@ def test_one_prompt_and_single_sequences_go_through_p_and_d() -> None:
         {"prompt": "x", "n": True},  # not an int: D judges it
         {"prompt": "x", "n": "3"},
     ):
-        assert legs.decode_alone_reason(body) is None, body
+        assert legs.decode_alone_reason(body, legs.Endpoint.COMPLETIONS) is None, body

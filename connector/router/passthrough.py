@@ -1,0 +1,128 @@
+"""vLLM's endpoints that generate nothing, through the router: forwarded to a D, or a 404
+that names what the router serves.
+
+Owns: ``passthrough_routes`` (``/v1/models``, ``/version``, ``/tokenize``, ``/detokenize``:
+one D's answer as it is; a stored response, ``/v1/responses/{id}`` and its ``/cancel``:
+each D in turn until one knows it, as vLLM keeps it in the memory of the server that
+answered) and ``not_served`` (the app's 404 handler: any other path). The generation
+endpoints are ``proxy.py``'s.
+
+Must not import: uvicorn; ``connector.router.app`` only for its types.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Final
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from connector.router.answer import error_response
+from connector.router.apikey import forwarded_authorization
+from connector.router.backends import Backend, Role
+from connector.router.upstream import Reply, TransportError, from_exception
+
+if TYPE_CHECKING:
+    from connector.router.app import RouterState
+
+# (method, path): what the router answers itself or relays; ``not_served`` lists them.
+GENERATION: Final = (
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
+)
+TO_ONE_D: Final = (
+    ("GET", "/v1/models"),
+    ("GET", "/version"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+)
+TO_EACH_D: Final = (
+    ("GET", "/v1/responses/{response_id}"),
+    ("POST", "/v1/responses/{response_id}/cancel"),
+)
+ROUTER_OWN: Final = (("GET", "/health"), ("GET", "/router/stats"), ("GET", "/metrics"))
+
+
+def passthrough_routes(state: RouterState) -> list[Route]:
+    one = [Route(path, _ToOneD(state).endpoint, methods=[m]) for m, path in TO_ONE_D]
+    each = [Route(path, _ToEachD(state).endpoint, methods=[m]) for m, path in TO_EACH_D]
+    return [*one, *each]
+
+
+async def not_served(request: Request, _exc: Exception) -> Response:
+    """Starlette's 404 (no route matches the path): a JSON error in OpenAI's shape naming
+    the endpoints the router serves, so a client sees at once what it can send here."""
+    served = ", ".join(f"{m} {p}" for m, p in (*GENERATION, *TO_ONE_D, *TO_EACH_D, *ROUTER_OWN))
+    why = f"the P/D router does not serve {request.method} {request.url.path}; it serves {served}"
+    return error_response(404, why, "not_found")
+
+
+class _Forward:
+    """One request forwarded whole: the client's query string, JSON body and (while the
+    router has no keys of its own) ``Authorization``; the backend's answer as it is."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    async def endpoint(self, request: Request) -> Response:
+        body: Any = None
+        if raw := await request.body():  # vLLM's cancel takes none
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                why = f"body is not valid JSON: {exc}"
+                return error_response(400, why, "invalid_request_error")
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        auth = forwarded_authorization(self.state.config, request.headers.get("authorization"))
+        headers = {"Authorization": auth} if auth else None
+        return await self.answer(request.method, path, body, headers)
+
+    async def answer(
+        self, method: str, path: str, body: Any, headers: dict[str, str] | None
+    ) -> Response:
+        raise NotImplementedError
+
+    @staticmethod
+    async def send(
+        d: Backend, method: str, path: str, body: Any, headers: dict[str, str] | None
+    ) -> Reply | Response:
+        """D's reply, or the client's error answer when D could not be reached."""
+        try:
+            return await d.http.request(method, path, body=body, headers=headers)
+        except TransportError as exc:
+            err = from_exception(exc, d, path)
+            content, ctype = err.http_body()
+            return Response(content, status_code=err.status, media_type=ctype)
+
+
+def _relayed(r: Reply) -> Response:
+    return Response(r.content, r.status_code, media_type=r.content_type or "application/json")
+
+
+class _ToOneD(_Forward):
+    async def answer(
+        self, method: str, path: str, body: Any, headers: dict[str, str] | None
+    ) -> Response:
+        d = self.state.backends.pick(Role.DECODE)
+        if d is None:
+            return error_response(503, "no healthy decode server", "service_unavailable")
+        r = await self.send(d, method, path, body, headers)
+        return _relayed(r) if isinstance(r, Reply) else r
+
+
+class _ToEachD(_Forward):
+    async def answer(
+        self, method: str, path: str, body: Any, headers: dict[str, str] | None
+    ) -> Response:
+        last: Response | None = None
+        for d in self.state.backends.pool(Role.DECODE):
+            r = await self.send(d, method, path, body, headers)
+            if isinstance(r, Reply) and r.status_code != 404:
+                return _relayed(r)
+            last = _relayed(r) if isinstance(r, Reply) else (last or r)
+        if last is None:
+            return error_response(503, "no decode server", "service_unavailable")
+        return last  # no D knows it: a D's own 404 (else why the last one was unreachable)
