@@ -2,9 +2,9 @@
 
 Owns: ``ApiKeyGate`` (OpenAI-style ``Authorization: Bearer <key>``, compared in constant
 time with ``hmac.compare_digest``; every route but the open ones, ``/health`` by default,
-answers 401 without it), ``bearer`` (the token of a header) and
-``forwarded_authorization`` (the client's header never reaches a backend when a key is set;
-the backends' own key is ``RouterConfig.backend_api_key``). TLS is terminated in front of the router
+answers 401 without it), ``bearer`` (the token of a header) and ``forwarded_authorization``
+(the client's header never reaches a backend when a key is set; the backends' own key is
+``RouterConfig.backend_api_key``). TLS is terminated in front of the router
 (docs/security.md).
 """
 

@@ -437,7 +437,7 @@ def test_responses_api_through_the_router_equals_d_alone(stack: HostStack, strea
     each computes the whole prompt), and the reason is on the request span."""
     body = {
         "model": "tiny",
-        "input": random_prompt(60, seed=3700),
+        "input": " ".join(map(str, random_prompt(60, seed=3700))),  # input takes text
         "max_output_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
