@@ -53,6 +53,9 @@ class Backend:
     removed: bool = False  # forgotten (``Backends.remove``): its client is closed
     # Set when its last leg ends, while ``wait_idle`` waits for that.
     idle: asyncio.Event | None = field(default=None, repr=False)
+    # One health check (and probe) at a time: two at once (the recheck loop's and a round's
+    # or ``add``'s) would both see it come back and probe it twice.
+    checking: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def name(self) -> str:
@@ -213,7 +216,7 @@ class Backends:
                 next_round = loop.time() + interval
                 await self.check_all()
             else:
-                await asyncio.gather(*(self._check(b) for b in self.all if self._out(b)))
+                await self.recheck_out()
 
     async def _signals_loop(self) -> None:
         """Each engine's queue and KV usage, every ``--signals-interval`` (each read bounded
@@ -243,7 +246,18 @@ class Backends:
         """One health round over every backend (concurrently)."""
         await asyncio.gather(*(self._check(b) for b in self.all))
 
-    async def _check(self, b: Backend) -> None:
+    async def recheck_out(self) -> None:
+        """Check again the backends out of service (``RECHECK_S``'s round); one whose check
+        in flight brings it back is skipped."""
+        await asyncio.gather(*(self._check(b, only_if_out=True) for b in self.all if self._out(b)))
+
+    async def _check(self, b: Backend, *, only_if_out: bool = False) -> None:
+        async with b.checking:
+            if only_if_out and not self._out(b):
+                return
+            await self._check_now(b)
+
+    async def _check_now(self, b: Backend) -> None:
         if b.removed or b.client is None:  # forgotten, or added and its client not open yet
             return
         before = b.load.health
@@ -344,8 +358,9 @@ class Backends:
         b = self._new(role, url, override)
         logger.warning("router backend %s: added", b.name)
         if self._started:
-            await self._open(b)
-            await self._check(b)
+            async with b.checking:  # taken before any await: the recheck loop waits for it
+                await self._open(b)
+                await self._check_now(b)
         return b
 
     async def remove(self, b: Backend) -> None:

@@ -20,7 +20,7 @@ from connector.router import arrival
 from connector.router.app import RouterState, create_app
 from connector.router.config import Mode, RouterConfig
 from tests.unit.router.mock_backend import MockBackend
-from tests.unit.router.serving import InLoopServer, within
+from tests.unit.router.serving import WAIT_S, InLoopServer, within
 
 
 @pytest.fixture
@@ -120,6 +120,9 @@ async def cluster() -> AsyncIterator[MakeCluster]:
                 await s.start()
                 stack.push_async_callback(s.stop)
             config.setdefault("health_interval_s", 3600.0)  # rounds only when a test asks
+            # A check that times out takes a new or down backend out; on a loaded host the
+            # in-loop /health may take over the product's 1 s: bound it like every wait here.
+            config.setdefault("health_timeout_s", WAIT_S)
             cfg = RouterConfig(
                 prefill_urls=tuple(s.url for s in servers[:n_p]),
                 decode_urls=tuple(s.url for s in servers[n_p:]),

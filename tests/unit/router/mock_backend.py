@@ -1,6 +1,7 @@
 """A fake vLLM server (P or D) with failure knobs, for the router tests.
 
-Knobs (set before or during a test): ``healthy``; ``gate`` (answer a generation request only
+Knobs (set before or during a test): ``healthy``; ``health_gate`` (answer /health only once
+this event is set); ``gate`` (answer a generation request only
 once this event is set); ``fail_first_n`` / ``error_status`` / ``error_body`` (checked after
 the gate); ``stream_gate`` (a streamed answer pauses after its first chunk until set);
 ``waiting`` / ``running`` / ``kv_usage`` / ``metrics_status`` (its /metrics);
@@ -12,7 +13,8 @@ answer); ``pull_params`` (P's returned ``kv_transfer_params``); ``finish_reason`
 whole answer (``return_token_ids`` adds ``PROMPT_IDS`` and ``[TOKEN_ID]``, and usage).
 Records: every generation request (``requests``, ``probes``) with its body, headers and a
 ``disconnected`` event, set when the router closed the request before the answer was done.
-Synchronisation is by events only: ``arrived``, ``first_chunk_sent``, ``wait_for(n)``.
+Synchronisation is by events only: ``arrived``, ``first_chunk_sent``, ``wait_for(n)``,
+``wait_health(n)``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class MockBackend:
         self.coords = coords
         self.pull_params = pull_params
         self.healthy = True
+        self.health_gate: asyncio.Event | None = None
         self.gate: asyncio.Event | None = None
         self.fail_first_n = 0
         self.error_status = 500
@@ -90,7 +93,7 @@ class MockBackend:
 
     def release(self) -> None:
         """Open every gate this mock ever waited on (teardown: let handlers finish)."""
-        for g in self._gates + [self.gate, self.stream_gate]:
+        for g in self._gates + [self.gate, self.stream_gate, self.health_gate]:
             if g is not None:
                 g.set()
 
@@ -100,6 +103,13 @@ class MockBackend:
                 await self._count.wait_for(lambda: len(self.requests) >= n)
 
         await within(_wait(), what or f"{n} request(s) at {self.name} (got {len(self.requests)})")
+
+    async def wait_health(self, n: int, what: str = "") -> None:
+        async def _wait() -> None:
+            async with self._count:
+                await self._count.wait_for(lambda: self.health_checks >= n)
+
+        await within(_wait(), what or f"{n} health check(s) at {self.name}")
 
     def app(self) -> Starlette:
         return Starlette(
@@ -118,7 +128,12 @@ class MockBackend:
         )
 
     async def _health(self, _request: Request) -> Response:
-        self.health_checks += 1
+        async with self._count:
+            self.health_checks += 1
+            self._count.notify_all()
+        if self.health_gate is not None:
+            self._gates.append(self.health_gate)
+            await self.health_gate.wait()
         return Response(status_code=200 if self.healthy else 503)
 
     async def _metrics(self, _request: Request) -> Response:

@@ -55,6 +55,24 @@ async def test_added_d_is_checked_first_and_then_takes_legs(cluster: MakeCluster
         assert [d["url"] for d in listing["decode"]] == [c.d_servers[0].url, server.url]
 
 
+async def test_added_backend_is_checked_once_though_the_recheck_loop_runs_meanwhile(
+    cluster: MakeCluster,
+) -> None:
+    c = await cluster(1, 1)
+    new = MockBackend("d-new")
+    new.health_gate = asyncio.Event()  # add's check waits at the mock
+    async with serving(new) as server:
+        add = asyncio.create_task(c.client.post("/admin/backends/decode", json={"url": server.url}))
+        await new.wait_health(1, "add's check of the new D")
+        # The recheck loop's round while add's check is on the wire: the new D is not in
+        # service yet, but add is checking it; the round waits for that check and skips it.
+        recheck = asyncio.create_task(c.state.backends.recheck_out())
+        new.health_gate.set()
+        r, _ = await within(asyncio.gather(add, recheck), "the add and the recheck round")
+        assert r.status_code == 201 and r.json()["health"] == "healthy", r.text
+        assert new.health_checks == 1
+
+
 async def test_added_backend_that_is_down_gets_no_legs_until_healthy(
     cluster: MakeCluster,
 ) -> None:

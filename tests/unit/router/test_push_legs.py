@@ -186,6 +186,24 @@ async def test_p_that_comes_back_is_probed_again(cluster: MakeCluster) -> None:
     assert c.d_kv(1)["remote_engine_id"] == "p0-third"
 
 
+async def test_p_checked_by_two_rounds_at_once_is_probed_once(cluster: MakeCluster) -> None:
+    def down(ps: list, _ds: list) -> None:
+        ps[0].healthy = False
+
+    c = await cluster(setup=down, degraded=False)
+    p = c.p[0]
+    p.healthy, p.health_gate = True, asyncio.Event()  # back, its next check held at the mock
+    first = asyncio.create_task(c.check_health())
+    await p.wait_health(p.health_checks + 1, "the first round's check of p0")
+    # The recheck loop's round and another full round while that check is on the wire:
+    # each may see P come back, but only the first may probe it.
+    others = [asyncio.create_task(c.state.backends.recheck_out()), c.check_health()]
+    p.health_gate.set()
+    await within(asyncio.gather(first, *others), "three health rounds")
+    assert len(p.probes) == 1
+    assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+
 async def test_bad_probe_answer_keeps_p_out(cluster: MakeCluster) -> None:
     def no_coords(ps: list, _ds: list) -> None:
         ps[0].coords = None  # an old connector: no kv_transfer_params.pushkv
