@@ -10,6 +10,8 @@ Must not import at module level: nixl, torch, vLLM.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -21,9 +23,18 @@ from connector.core.errors import PeerDisconnected, PeerUnknown, TransportError
 _API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 
+def _api_order() -> tuple[str, ...]:
+    """``_API_MODULES``, the wheels first on a host without an NVIDIA driver and no torch
+    imported yet: there the meta package's CUDA probe imports all of torch (about 1.3 s of
+    CPU per process, every NIXL rank a test starts) to pick a wheel that cannot matter."""
+    if "torch" in sys.modules or os.path.exists("/dev/nvidiactl"):
+        return _API_MODULES
+    return tuple(sorted(_API_MODULES, key=lambda name: name == "nixl._api"))
+
+
 def load_nixl_api() -> ModuleType:
     """Import and return nixl's ``_api`` module; TransportError if none is installed."""
-    for mod_name in _API_MODULES:
+    for mod_name in _api_order():
         try:
             return importlib.import_module(mod_name)
         except ImportError:

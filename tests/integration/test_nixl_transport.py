@@ -98,6 +98,24 @@ def test_missing_wheel_is_a_transport_error(monkeypatch: pytest.MonkeyPatch) -> 
         NixlTransport("x", listen_port=0)
 
 
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="a GPU host keeps nixl's own pick")
+def test_a_cpu_host_loads_nixl_without_torch() -> None:
+    """A NIXL rank on a CPU host does not pay for torch (nixl's CUDA probe imports it)."""
+    code = (
+        "import sys; from connector.transport.nixl_api import load_nixl_api; "
+        "api = load_nixl_api(); assert api.nixl_agent; print('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
 def test_nixl_exceptions_map_onto_ours() -> None:
     b = API.nixlBind
     cases = [
