@@ -22,7 +22,7 @@ from connector.tools.loopback import RankProcess, RankSpec, expected_event
 from connector.tools.stack import free_port
 from connector.transport.sidechannel import SideChannel
 
-pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.nixl]
 
 MS = 1_000_000
 # Each bound below is one to two orders of magnitude above what an idle box takes (a dial

@@ -34,7 +34,7 @@ except TransportError:
 
 from nixl_peers import PeerError, PeerProcess  # noqa: E402
 
-pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.nixl]
 
 PIECE = 16 * 1024
 CONNECT_S = 20.0  # generous: two busy cores, the listener answers every ~100 ms

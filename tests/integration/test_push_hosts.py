@@ -19,7 +19,7 @@ from connector.core.state import ReceiverPolicy
 from connector.tools.loopback import RankProcess, expected_event, rank_main
 from connector.tools.netbed import Host, InHost, NetBed
 
-pytestmark = [pytest.mark.nixl, pytest.mark.netns, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 
 MS = 1_000_000
 

@@ -19,7 +19,7 @@ from connector.tools.loopback import RankProcess, RankSpec, expected_event
 from connector.tools.stack import free_port
 from tests.budget import BOUNDS, Budget, RecordProperty, cpu_shares, proc_cpu_s
 
-pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.nixl]
 
 MS = 1_000_000
 
@@ -227,7 +227,6 @@ def test_registration_for_a_prefill_that_never_comes_expires(
 IDLE_RANK_CPU = Budget("idle_rank_cpu_share", precise=0.05, unit="%")
 
 
-@pytest.mark.timeout(90)
 @pytest.mark.parametrize("bound", BOUNDS)
 def test_idle_pair_uses_almost_no_cpu(
     cluster: Callable[..., RankProcess], record_property: RecordProperty, bound: str

@@ -20,7 +20,7 @@ from connector.core.messages import FailReason
 from connector.core.state import SenderPolicy
 from connector.tools.loopback import RankProcess, expected_event
 
-pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.nixl]
 
 KEY = b"pushkv-test-secret-0123456789"
 OTHER = b"another-secret-9876543210xyz"

@@ -42,8 +42,6 @@ from connector.transport.sidechannel_wire import (
 )
 from tests.budget import BOUNDS, Budget, RecordProperty, cpu_share, thread_cpu_s
 
-pytestmark = [pytest.mark.timeout(120)]
-
 PIECE = 16 * 1024
 CONNECT_S = 20.0
 

@@ -22,7 +22,7 @@ from connector.tools.loopback import RankProcess, RankSpec, expected_event
 from connector.tools.stack import free_port
 from pushkv_testing.worker_ranks import WorkerRank
 
-pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.nixl]
 
 CUDA = torch.cuda.is_available()
 SHAPE = dict(num_layers=4, num_blocks=96, block_size=16, num_kv_heads=4, token_bytes=2 * 64 * 2)
