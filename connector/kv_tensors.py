@@ -1,7 +1,7 @@
 """vLLM's KV cache tensors as pushkv sees them: a ``KVLayout`` for the descriptor planner,
 block rows for the GPU paths, and the layout pushkv asks vLLM for.
 
-Owns: ``describe_kv_caches``, ``is_latent``, ``block_row_views`` and ``preferred_layout``.
+Owns: ``describe_kv_caches``, ``block_row_views`` and ``preferred_layout``.
 vLLM 0.32 hands ``register_kv_caches`` one view per attention layer of logical shape
 [B, H, N, C] (blocks, KV heads, tokens, K|V packed per token), whose strides follow the
 resolved ``KVCacheLayout`` (``vllm/v1/kv_cache_interface.py``, ``create_kv_cache_views``):
@@ -50,11 +50,6 @@ def kv_dtype_name(cache_dtype: str, tensor_dtype: Any) -> str:
     if cache_dtype not in ("", "auto"):
         return cache_dtype
     return str(tensor_dtype).removeprefix("torch.")
-
-
-def is_latent(kv_caches: dict[str, Any]) -> bool:
-    """MLA's KV: [blocks, tokens, latent] views, one latent vector per token (``as_bhnc``)."""
-    return next(iter(kv_caches.values())).dim() == 3
 
 
 def as_bhnc(t: Any) -> Any:

@@ -56,11 +56,18 @@ FEATURES: dict[str, tuple[str, str]] = {
 }
 
 
+def is_latent_kv(model_config: Any) -> bool:
+    """MLA's KV: one latent vector per token and layer, not K and V per head. Only the model
+    says so: vLLM 0.26 hands the latent as [blocks, tokens, latent], 0.32 as [blocks, 1,
+    tokens, latent] like a one-head K|V cache."""
+    return bool(getattr(model_config, "use_mla", False))
+
+
 def kv_heads_of(model_config: Any) -> int:
     """KV heads of the model across all ranks, as the TP split sees them: MLA's latent KV
     is one head replicated on every TP rank (vLLM's ``get_num_kv_heads`` gives 1 for MLA;
     ``get_total_num_kv_heads`` would give the query heads' count)."""
-    if getattr(model_config, "use_mla", False):
+    if is_latent_kv(model_config):
         return 1
     return int(model_config.get_total_num_kv_heads())
 

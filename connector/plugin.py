@@ -22,7 +22,7 @@ from connector.config import check_failure_policy, load_secret, parse_config
 from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
-from connector.model_support import check_kv_cache_groups, kv_heads_of
+from connector.model_support import check_kv_cache_groups, is_latent_kv, kv_heads_of
 from connector.scheduler_side import SchedulerSide
 from connector.shutdown import ShutdownWatch
 from connector.stats import PushkvPromMetrics, PushkvStats, recomputed_counts
@@ -158,6 +158,7 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
                 logical_block_size=vllm_config.cache_config.block_size,
                 group_of=group_of,
                 cache_dtype=str(vllm_config.cache_config.cache_dtype),
+                latent=is_latent_kv(vllm_config.model_config),
             )
 
     @classmethod

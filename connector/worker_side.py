@@ -19,12 +19,13 @@ from typing import Any
 from connector.config import PushkvConfig, load_secret
 from connector.core import events as ev
 from connector.core.errors import ConfigError, LayoutError
-from connector.core.geometry import kv_geometry
+from connector.core.geometry import KVGeometry, kv_geometry
 from connector.core.heads import head_range
+from connector.core.layout import KVLayout
 from connector.core.messages import FailReason, PeerAddr
 from connector.engine_spans import engine_tracer
 from connector.kv_params import agent_name
-from connector.kv_tensors import block_row_views, describe_kv_caches, is_latent, physical_order
+from connector.kv_tensors import block_row_views, describe_kv_caches, physical_order
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
 from connector.transfer.guard import Guard
@@ -61,13 +62,16 @@ class WorkerSide:
         logical_block_size: int,
         group_of: dict[str, int],
         cache_dtype: str = "auto",
+        latent: bool = False,
     ) -> None:
+        """``latent``: the model's KV is MLA's latent (``model_support.is_latent_kv``)."""
         self.cfg, self.engine_id = cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
         self._logical_block_size = logical_block_size
         self._group_of = group_of
         self._cache_dtype = cache_dtype  # vLLM's --kv-cache-dtype
+        self._latent = latent
         self._ratio = 1
         self.thread: TransferThread | None = None
         self._transport: Any = None
@@ -123,7 +127,7 @@ class WorkerSide:
             self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
         )
         listeners = [x for x in (self._metrics, freed) if x is not None]
-        traced = self._spans(geometry_attributes(kv_geometry(layout, is_latent(kv_caches))))
+        traced = self._spans(geometry_attributes(self.geometry(layout)))
         spans = Tee(traced, *listeners) if listeners else traced
         paths, offer = self._gpu_paths(kv_caches, layout, me)
         sender = receiver = None
@@ -221,6 +225,10 @@ class WorkerSide:
             engine_id=self.engine_id,
             consumer=self.is_consumer,
         )
+
+    def geometry(self, layout: KVLayout) -> KVGeometry:
+        """This rank's KV geometry, as P's transfer spans name it."""
+        return kv_geometry(layout, self._latent)
 
     def _spans(self, kv: dict[Attr, Any]) -> Any:
         tracer = engine_tracer(

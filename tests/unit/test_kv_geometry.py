@@ -8,33 +8,40 @@ import msgspec
 import pytest
 import torch
 
+from connector.config import PushkvConfig
 from connector.core.geometry import KVGeometry, kv_geometry
 from connector.core.layout import KVLayout, Region
-from connector.kv_tensors import describe_kv_caches, is_latent
+from connector.kv_tensors import describe_kv_caches
 from connector.tools.kv_caches import vllm_kv_caches
 from connector.transfer.spans import geometry_attributes
+from connector.worker_side import WorkerSide
 from telemetry.schema import Attr
 
 L, B, H, N, D = 3, 5, 4, 16, 8
 LATENT = 576  # DeepSeek-V2/V3: kv_lora_rank 512 + qk_rope_head_dim 64
 
 
-def mla_views(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """vLLM's MLA KV: a [B, N, latent] view per layer (fp8 lives in uint8 tensors)."""
+def mla_views(dtype: torch.dtype, shape: tuple[int, ...] = (B, N, -1)) -> dict[str, torch.Tensor]:
+    """vLLM's MLA KV, one view per layer (fp8 lives in uint8 tensors): [B, N, latent] on
+    vLLM 0.26, [B, 1, N, latent] on 0.32 (``create_kv_cache_views``: [B, H, N, C], H = 1)."""
     elt = torch.empty(0, dtype=dtype).element_size()
     raw = torch.zeros(L * B * N * LATENT * elt, dtype=torch.uint8)
     per = B * N * LATENT * elt
     return {
-        f"model.layers.{i}.self_attn.attn": raw[i * per : (i + 1) * per].view(dtype).view(B, N, -1)
+        f"model.layers.{i}.self_attn.attn": raw[i * per : (i + 1) * per].view(dtype).view(shape)
         for i in range(L)
     }
+
+
+def worker(latent: bool, heads: int) -> WorkerSide:
+    """A P rank's worker as the plugin makes it (nothing started)."""
+    return WorkerSide(PushkvConfig(), "prefill", True, False, 0, 1, heads, N, {}, latent=latent)
 
 
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
 def test_per_head_bf16_counts_k_and_v_of_every_layer_and_head(order: str) -> None:
     _, views = vllm_kv_caches(L, B, H, N, D, dtype=torch.bfloat16, layout=order)
-    assert not is_latent(views)
-    g = kv_geometry(describe_kv_caches(views, {}, (0, H)), is_latent(views))
+    g = worker(latent=False, heads=H).geometry(describe_kv_caches(views, {}, (0, H)))
     assert g == KVGeometry(
         layers=L,
         form="heads",
@@ -62,16 +69,18 @@ def test_a_tp_rank_counts_only_its_own_heads() -> None:
     assert (g.heads, g.head_size, g.bytes_per_token) == (H // 2, D, L * (H // 2) * 2 * D * 2)
 
 
+@pytest.mark.parametrize("shape", [(B, N, -1), (B, 1, N, -1)], ids=["vllm-0.26", "vllm-0.32"])
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype", "elt"), [(torch.bfloat16, "auto", 2), (torch.uint8, "fp8", 1)]
 )
 def test_mla_is_one_latent_per_token_and_layer(
-    dtype: torch.dtype, cache_dtype: str, elt: int
+    dtype: torch.dtype, cache_dtype: str, elt: int, shape: tuple[int, ...]
 ) -> None:
-    views = mla_views(dtype)
-    assert is_latent(views)
+    """The worker takes the form from the model, not the views' shape: vLLM 0.32's 4-D
+    latent looks like a one-head K|V cache (read from the shape, it was 'heads' of 288)."""
+    views = mla_views(dtype, shape)
     lay = describe_kv_caches(views, {}, (0, 1), cache_dtype=cache_dtype)
-    g = kv_geometry(lay, is_latent(views))
+    g = worker(latent=True, heads=1).geometry(lay)
     assert (g.form, g.heads, g.head_size, g.layers) == ("latent", 1, LATENT, L)
     assert g.bytes_per_token == L * LATENT * elt  # no separate V: the latent is all
     assert g.dtype == ("bfloat16" if cache_dtype == "auto" else cache_dtype)

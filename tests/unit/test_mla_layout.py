@@ -16,7 +16,7 @@ import torch
 
 from connector.core.plan import plan_transfer
 from connector.kv_tensors import as_bhnc, block_row_views, describe_kv_caches, physical_order
-from connector.model_support import kv_heads_of
+from connector.model_support import is_latent_kv, kv_heads_of
 from connector.plugin import PushConnector
 from connector.transfer.topology import Topology
 
@@ -123,10 +123,11 @@ def test_each_d_rank_is_written_by_exactly_one_p_rank(p_tp: int, d_tp: int) -> N
     assert all(not topo.targets(p, d_tp) for p in set(range(p_tp)) - writers)
 
 
-def test_mla_models_count_one_kv_head() -> None:
+def test_mla_models_count_one_kv_head_and_say_their_kv_is_latent() -> None:
     mla = SimpleNamespace(use_mla=True, get_total_num_kv_heads=lambda: 128)
     gqa = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 8)
     assert kv_heads_of(mla) == 1 and kv_heads_of(gqa) == 8
+    assert is_latent_kv(mla) and not is_latent_kv(gqa)
 
 
 def test_pushkv_asks_no_kv_layout_of_an_mla_model() -> None:
