@@ -83,6 +83,9 @@ class SendCtx:
     now_ns: int
     policy: SenderPolicy
     targets_for: Callable[[int], frozenset[int]]  # d_tp_size -> D ranks this P rank writes
+    # False: this P rank writes no D rank, whatever its TP size (Topology.writes_any), so
+    # no D rank registers with it and its blocks go back as soon as the prefill is done.
+    writes: bool = True
 
 
 def _reg_ttl(reg: Register, ctx: SendCtx) -> int:
@@ -376,6 +379,8 @@ def _new_registered(e: ev.Registered, ctx: SendCtx) -> tuple[SendRecord, list[ev
 def _new_prefill(e: ev.PrefillDone, ctx: SendCtx) -> tuple[SendRecord, list[ev.SendAction]]:
     rec = SendRecord(e.transfer_id, SendState.PREFILLED, ctx.now_ns + ctx.policy.lease_ns)
     _prefill_into(rec, e)
+    if not ctx.writes:  # held, they would wait out the lease for a registration never sent
+        return rec, _end(rec, SendState.DONE, ctx, FailReason.NOT_NEEDED)
     return rec, []
 
 

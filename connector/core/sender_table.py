@@ -35,9 +35,12 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
         targets_for: Callable[[int], frozenset[int]],
         policy: SenderPolicy = SenderPolicy(),
         max_records: int = 1 << 16,
+        writes: bool = True,
     ) -> None:
+        """``writes``: False for a P rank that writes no D rank (``SendCtx.writes``)."""
         super().__init__()
         self._targets_for = targets_for
+        self._writes = writes
         self.policy = policy
         self._max_records = max_records
         # Transfers whose source blocks we hold -> (since, blocks), in the order they were
@@ -96,7 +99,7 @@ class SenderTable(TransferTable[SendRecord, SendTableEvent, ev.SendAction]):
     def _transition(
         self, now_ns: int
     ) -> Callable[[SendRecord | None, SendTableEvent], tuple[SendRecord, list[ev.SendAction]]]:
-        ctx = SendCtx(now_ns, self.policy, self._targets_for)
+        ctx = SendCtx(now_ns, self.policy, self._targets_for, self._writes)
         return lambda rec, event: send_transition(rec, event, ctx)
 
     def holding_blocks(self) -> int:

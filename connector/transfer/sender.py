@@ -81,7 +81,11 @@ class Sender:
             topology,
             peers,
         )
-        self.table = SenderTable(lambda d_tp: topology.targets(me.rank, d_tp), policy)
+        self.table = SenderTable(
+            lambda d_tp: topology.targets(me.rank, d_tp),
+            policy,
+            writes=topology.writes_any(me.rank),
+        )
         self._transfers = Transfers()
         self._check_layout = LayoutCheck()
         self._on_write_finished = on_write_finished

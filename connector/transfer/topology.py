@@ -42,6 +42,13 @@ class Topology:
         """D ranks that ``p_rank`` writes into."""
         return frozenset(targets_of(_assignment(self.p_tp, d_tp, self.num_kv_heads), p_rank))
 
+    def writes_any(self, p_rank: int) -> bool:
+        """Whether ``p_rank`` writes into any D rank, whatever D's TP size. A head's writer
+        is the lowest P rank holding it and every D engine holds every head, so a P rank
+        writes for one D TP size iff it writes for all; D TP 1 answers for them. False: a
+        replica (MLA's latent on P ranks past 0, GQA heads on P TP > heads) nobody reads."""
+        return bool(self.targets(p_rank, 1))
+
     def sources(self, d_rank: int, d_tp: int) -> tuple[int, ...]:
         """P ranks that write into ``d_rank``: one completion is expected from each."""
         return sources_of(_assignment(self.p_tp, d_tp, self.num_kv_heads), d_rank)
