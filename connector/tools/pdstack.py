@@ -219,8 +219,10 @@ class PdStack(StartStop):
     kv_load_failure_policy: str = "recompute"
     server_args: Sequence[str] = ()  # appended to both vLLM command lines
     router_args: Sequence[str] = ()
-    prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine
+    prefill_cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND of each engine (one list per TP rank)
     decode_cpus: str = "1"
+    prefill_tp: int = 1  # --tensor-parallel-size of each engine
+    decode_tp: int = 1
     # On a GPU host, CUDA_VISIBLE_DEVICES of each server ("0", "1", "0,1" for TP2); None leaves
     # the caller's environment alone (both servers see every GPU: on one GPU they share it).
     prefill_gpus: str | None = None
@@ -257,6 +259,7 @@ class PdStack(StartStop):
             p_side,
             spec,
             self.prefill_gpus,
+            self.prefill_tp,
         )
         self.decode = self._server(
             "decode",
@@ -268,6 +271,7 @@ class PdStack(StartStop):
             d_side,
             spec,
             self.decode_gpus,
+            self.decode_tp,
         )
         # One health check that times out marks a backend down (503s until the next good
         # check); the router's 1 s default is too short for a busy 2-core box.
@@ -281,7 +285,7 @@ class PdStack(StartStop):
                 "--prefill-kv-port",
                 str(p_side),
                 "--prefill-tp-size",
-                "1",
+                str(self.prefill_tp),
                 *router_args,
             ]
         self.router = RouterProcess(
@@ -315,6 +319,7 @@ class PdStack(StartStop):
         side_port: int,
         spec: ConnectorSpec,
         gpus: str | None = None,
+        tp: int = 1,
     ) -> VllmServer:
         ktc = kv_transfer_config(
             self.connector_name,
@@ -326,6 +331,7 @@ class PdStack(StartStop):
             spec,
         )
         env = {"VLLM_CPU_OMP_THREADS_BIND": cpus, **self._trace_env()}
+        tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
             env["UCX_TLS"] = os.environ.get(GPU_UCX_TLS_ENV) or GPU_UCX_TLS
@@ -339,7 +345,7 @@ class PdStack(StartStop):
             port,
             kv_transfer_config=ktc,
             env=env,
-            extra_args=list(self.server_args),
+            extra_args=[*tp_args, *self.server_args],
             log_path=self.run_dir / f"{name}.log",
             cpu_affinity=self._affinity(cpus),
             eager=gpus is None,

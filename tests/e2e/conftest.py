@@ -20,9 +20,10 @@ import importlib.util
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -124,20 +125,28 @@ def running_pd(
     run_dir: Path,
     server_args: Sequence[str] = (),
     connector_name: str = "PushConnector",
+    prefill_tp: int = 1,
+    push_config: Mapping[str, Any] | None = None,
+    start_timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[Pd]:
     """P + D (PushConnector, or another of pdstack's ``CONNECTORS``) + router on ``model``,
     warmed up; stopped on leaving. ``server_args`` go to both vLLM command lines (e.g.
-    ``--kv-cache-dtype fp8``)."""
+    ``--kv-cache-dtype fp8``); ``prefill_tp`` 2 puts P's ranks on cores 0 and 1 (D stays on
+    core 1); ``push_config``: pushkv knobs for both sides."""
     push = connector_name == "PushConnector"
+    both = dict(push_config or {}) if push else {}
     stack = PdStack(
         model,
         run_dir,
         connector_name=connector_name,
-        decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S} if push else {},
+        prefill_extra_config=both,
+        decode_extra_config={"dial_timeout_s": DECODE_DIAL_TIMEOUT_S, **both} if push else {},
         server_args=server_args,
+        prefill_cpus="|".join(str(i % 2) for i in range(prefill_tp)),
+        prefill_tp=prefill_tp,
     )
     try:
-        stack.start(START_TIMEOUT_S)
+        stack.start(start_timeout_s)
         print(f"\n[pd] push stack healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
         with (
             httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,

@@ -15,7 +15,7 @@ from connector.config import parse_config
 from connector.tools import vllm_router
 from connector.tools.bench.stacks import CONFIGS, make_stack, require_fronts
 from connector.tools.bench.vllm_bench import Workload, bench_command
-from connector.tools.pdstack import GPU_UCX_TLS, GPU_UCX_TLS_ENV, cpu_set
+from connector.tools.pdstack import GPU_UCX_TLS, GPU_UCX_TLS_ENV, PdStack, cpu_set
 from connector.tools.stack import ServerError, VllmServer
 
 
@@ -265,3 +265,13 @@ def test_vr_configs_need_vllm_router_installed_and_say_so_before_anything_starts
         require_fronts(["single", "push", "push-vr"])
     with pytest.raises(ServerError, match="vllm-push-vr needs vllm-router"):
         make_stack(CONFIGS["vllm-push-vr"], tmp_path / "m", tmp_path)
+
+
+def test_each_side_gets_its_own_tensor_parallel_size(tmp_path: Path) -> None:
+    """A P at TP 2 into a D at TP 1 (the MLA e2e's stacks): only P's command line asks for
+    two ranks, and vLLM's push router is told P's TP size."""
+    stack = PdStack(tmp_path / "m", tmp_path, "NixlPushConnector", prefill_cpus="0|1", prefill_tp=2)
+    p, d, router = stack.prefill.command(), stack.decode.command(), stack.router.command()
+    assert p[p.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in d
+    assert router[router.index("--prefill-tp-size") + 1] == "2"
