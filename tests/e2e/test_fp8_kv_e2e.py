@@ -1,8 +1,9 @@
 """fp8 KV cache end to end: P and D both started with ``--kv-cache-dtype fp8`` on the tiny model.
 
 Greedy output through the router equals D alone (fp8 KV too; tests/e2e/greedy.py's rule), D
-took every prompt token from P (its prompt-token metric by source) and both workers describe
-their KV as fp8 (the name their layouts carry and P compares, connector/core/layout.py
+took every prompt token from P (its prompt-token metric by source), P's transfer spans carry
+fp8's geometry (one byte per element: half of bf16's bytes per token) and both workers
+describe their KV as fp8 (the name their layouts carry and P compares, connector/core/layout.py
 ``check_same_dtype``). One stack start (about a minute on a 2-core machine).
 
 vLLM's CPU attention stores fp8 KV only on x86 with AVX-512 or AMX and head sizes divisible
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from connector.tools.tinymodel import ARCH, kv_bytes_per_token
+from telemetry.schema import Attr
 from tests.e2e.conftest import running_pd
 from tests.e2e.greedy import assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import (
@@ -29,6 +32,7 @@ from tests.e2e.test_push_e2e import (
     random_prompt,
     source_tokens,
 )
+from tests.e2e.transfer_spans import assert_kv_geometry, traced_completion, transfer_trace
 
 if TYPE_CHECKING:
     from conftest import Pd  # tests/e2e/conftest.py (the fixture's type)
@@ -37,6 +41,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 KV_DTYPE = "fp8"
 PROMPT_LENGTHS = (20, 129, 600)  # one block, across a block edge, several blocks
+GEOMETRY = {
+    Attr.KV_LAYERS.value: ARCH["num_hidden_layers"],
+    Attr.KV_FORM.value: "heads",
+    Attr.KV_HEADS.value: ARCH["num_key_value_heads"],
+    Attr.KV_HEAD_SIZE.value: ARCH["head_dim"],
+    Attr.KV_DTYPE.value: KV_DTYPE,
+    Attr.KV_BYTES_PER_TOKEN.value: kv_bytes_per_token(ARCH, dtype_bytes=1),  # half of bf16's
+}
 
 
 def _fp8_kv_unsupported() -> str | None:
@@ -65,11 +77,15 @@ def test_fp8_kv_greedy_equals_single_instance(pd_fp8: Pd) -> None:
     prompts = {n: random_prompt(n, seed=3000 + n) for n in PROMPT_LENGTHS}
     before = source_tokens(pd_fp8.decode)
     disagg: dict[int, dict[str, Any]] = {}
+    trace_ids: dict[int, str] = {}
     for n, prompt in prompts.items():
-        disagg[n] = post_ok(pd_fp8.router, "/v1/completions", greedy_body(prompt))
+        trace_ids[n], disagg[n] = traced_completion(pd_fp8.router, greedy_body(prompt))
         assert disagg[n]["usage"]["prompt_tokens"] == n
     total = sum(PROMPT_LENGTHS)
     assert_prompt_tokens_from_p(pd_fp8.decode, before, total, f"logs in {run_dir}")
+    for n, trace_id in trace_ids.items():  # P's spans name fp8: one byte per element
+        trace = transfer_trace(run_dir, trace_id)
+        assert_kv_geometry(trace, GEOMETRY, f"{n}-token prompt, {KV_DTYPE} KV, {run_dir}")
     for n, prompt in prompts.items():
         ref = post_ok(
             pd_fp8.decode, "/v1/completions", greedy_body(prompt, cache_salt=uuid.uuid4().hex)
