@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from bench.soak_stream import post_stream
 from connector.tools.pdstack import metric_sum
 from connector.tools.stack import free_port
 from telemetry.schema import Metric
@@ -370,23 +371,13 @@ def test_idle_pair_uses_almost_no_cpu(pd: Pd, record_property: RecordProperty, b
 
 def stream_with_logprobs(
     client: httpx.Client, body: dict[str, Any]
-) -> tuple[str, list[str], list[float], dict[str, int]]:
-    """A streamed completion: its text, tokens, logprobs and usage."""
-    text, tokens, lps, usage = "", [], [], {}
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with client.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200, resp.read().decode()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk
-            usage = chunk.get("usage") or usage
-            for c in chunk["choices"]:
-                text += c["text"]
-                tokens += c["logprobs"]["tokens"]
-                lps += c["logprobs"]["token_logprobs"]
-    return text, tokens, lps, usage
+) -> tuple[str, list[str], list[float], dict[str, Any]]:
+    """A streamed completion: its text, tokens, logprobs and usage (read by the soak's
+    ``bench.soak_stream.post_stream``)."""
+    read = post_stream(client, body, timeout_s=120.0)
+    assert read.response.status_code == 200, read.response.text
+    assert read.error is None and not read.garbled, (read.error, read.garbled)
+    return "".join(read.text), read.tokens, read.token_logprobs, read.usage or {}
 
 
 def test_first_token_from_prefill_equals_single_instance(pd: Pd) -> None:
