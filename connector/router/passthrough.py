@@ -13,6 +13,7 @@ Must not import: uvicorn; ``connector.router.app`` only for its types.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from starlette.requests import Request
@@ -47,8 +48,8 @@ ROUTER_OWN: Final = (("GET", "/health"), ("GET", "/router/stats"), ("GET", "/met
 
 
 def passthrough_routes(state: RouterState) -> list[Route]:
-    one = [Route(path, _ToOneD(state).endpoint, methods=[m]) for m, path in TO_ONE_D]
-    each = [Route(path, _ToEachD(state).endpoint, methods=[m]) for m, path in TO_EACH_D]
+    one = [Route(path, _endpoint(state, _to_one_d), methods=[m]) for m, path in TO_ONE_D]
+    each = [Route(path, _endpoint(state, _to_each_d), methods=[m]) for m, path in TO_EACH_D]
     return [*one, *each]
 
 
@@ -60,14 +61,14 @@ async def not_served(request: Request, _exc: Exception) -> Response:
     return error_response(404, why, "not_found")
 
 
-class _Forward:
+Forward = Callable[["RouterState", str, str, Any, "dict[str, str] | None"], Awaitable[Response]]
+
+
+def _endpoint(state: RouterState, forward: Forward) -> Callable[[Request], Awaitable[Response]]:
     """One request forwarded whole: the client's query string, JSON body and (while the
     router has no keys of its own) ``Authorization``; the backend's answer as it is."""
 
-    def __init__(self, state: RouterState) -> None:
-        self.state = state
-
-    async def endpoint(self, request: Request) -> Response:
+    async def endpoint(request: Request) -> Response:
         body: Any = None
         if raw := await request.body():  # vLLM's cancel takes none
             try:
@@ -76,53 +77,48 @@ class _Forward:
                 why = f"body is not valid JSON: {exc}"
                 return error_response(400, why, "invalid_request_error")
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        auth = forwarded_authorization(self.state.config, request.headers.get("authorization"))
+        auth = forwarded_authorization(state.config, request.headers.get("authorization"))
         headers = {"Authorization": auth} if auth else None
-        return await self.answer(request.method, path, body, headers)
+        return await forward(state, request.method, path, body, headers)
 
-    async def answer(
-        self, method: str, path: str, body: Any, headers: dict[str, str] | None
-    ) -> Response:
-        raise NotImplementedError
+    return endpoint
 
-    @staticmethod
-    async def send(
-        d: Backend, method: str, path: str, body: Any, headers: dict[str, str] | None
-    ) -> Reply | Response:
-        """D's reply, or the client's error answer when D could not be reached."""
-        try:
-            return await d.http.request(method, path, body=body, headers=headers)
-        except TransportError as exc:
-            err = from_exception(exc, d, path)
-            content, ctype = err.http_body()
-            return Response(content, status_code=err.status, media_type=ctype)
+
+async def _send(
+    d: Backend, method: str, path: str, body: Any, headers: dict[str, str] | None
+) -> Reply | Response:
+    """D's reply, or the client's error answer when D could not be reached."""
+    try:
+        return await d.http.request(method, path, body=body, headers=headers)
+    except TransportError as exc:
+        err = from_exception(exc, d, path)
+        content, ctype = err.http_body()
+        return Response(content, status_code=err.status, media_type=ctype)
 
 
 def _relayed(r: Reply) -> Response:
     return Response(r.content, r.status_code, media_type=r.content_type or "application/json")
 
 
-class _ToOneD(_Forward):
-    async def answer(
-        self, method: str, path: str, body: Any, headers: dict[str, str] | None
-    ) -> Response:
-        d = self.state.backends.pick(Role.DECODE)
-        if d is None:
-            return error_response(503, "no healthy decode server", "service_unavailable")
-        r = await self.send(d, method, path, body, headers)
-        return _relayed(r) if isinstance(r, Reply) else r
+async def _to_one_d(
+    state: RouterState, method: str, path: str, body: Any, headers: dict[str, str] | None
+) -> Response:
+    d = state.backends.pick(Role.DECODE)
+    if d is None:
+        return error_response(503, "no healthy decode server", "service_unavailable")
+    r = await _send(d, method, path, body, headers)
+    return _relayed(r) if isinstance(r, Reply) else r
 
 
-class _ToEachD(_Forward):
-    async def answer(
-        self, method: str, path: str, body: Any, headers: dict[str, str] | None
-    ) -> Response:
-        last: Response | None = None
-        for d in self.state.backends.pool(Role.DECODE):
-            r = await self.send(d, method, path, body, headers)
-            if isinstance(r, Reply) and r.status_code != 404:
-                return _relayed(r)
-            last = _relayed(r) if isinstance(r, Reply) else (last or r)
-        if last is None:
-            return error_response(503, "no decode server", "service_unavailable")
-        return last  # no D knows it: a D's own 404 (else why the last one was unreachable)
+async def _to_each_d(
+    state: RouterState, method: str, path: str, body: Any, headers: dict[str, str] | None
+) -> Response:
+    last: Response | None = None
+    for d in state.backends.pool(Role.DECODE):
+        r = await _send(d, method, path, body, headers)
+        if isinstance(r, Reply) and r.status_code != 404:
+            return _relayed(r)
+        last = _relayed(r) if isinstance(r, Reply) else (last or r)
+    if last is None:
+        return error_response(503, "no decode server", "service_unavailable")
+    return last  # no D knows it: a D's own 404 (else why the last one was unreachable)
