@@ -2,13 +2,15 @@
 end of an SSE stream.
 
 Owns: ``SSE_DONE``, ``start``, ``send_body``, ``send_error``, ``event_break``, and
-``error_response`` (an error answer as a Starlette response).
+``error_response`` (an error answer as a Starlette response; ``send_json_error``, the same
+as ASGI messages).
 
 Must not import: ``connector.router.app`` or the relay modules.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 from starlette.responses import JSONResponse
@@ -46,7 +48,17 @@ def event_break(tail: bytes) -> bytes:
     return b"" if tail.endswith(b"\n\n") else b"\n\n"
 
 
+def _error_json(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
-    )
+    return JSONResponse(_error_json(status, message, kind), status_code=status)
+
+
+async def send_json_error(
+    send: Send, status: int, message: str, kind: str, request_id: str
+) -> None:
+    """The router's own error answer (``error_response``'s body) as raw ASGI messages."""
+    await send(start(status, "application/json", request_id))
+    await send_body(send, json.dumps(_error_json(status, message, kind)).encode())

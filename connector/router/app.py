@@ -39,6 +39,7 @@ from connector.router.metrics import RouterMetrics
 from connector.router.passthrough import not_served, passthrough_routes
 from connector.router.proxy import ProxyEndpoint
 from connector.router.relay import DEGRADED
+from connector.router.response_homes import ResponseHomes
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class RouterState:
         self.responses: Counter[int] = Counter()
         self.retries: Counter[str] = Counter()  # attempts retried, by the failed leg's role
         self.degraded = 0  # requests sent to D alone while no P was usable
+        self.response_homes = ResponseHomes()  # /v1/responses: which D stores each answer
         self.router_errors = 0  # requests answered 502 for an exception of the router's own
         self.unauthorized = 0  # requests answered 401: no or a wrong API key
         self.metrics = RouterMetrics(self)
@@ -100,6 +102,7 @@ class RouterState:
                 "unauthorized": self.unauthorized,
             },
             "background_prefill_legs": len(self.background),
+            "stored_responses": self.response_homes.stats(),
             **self.backends.stats(),
         }
 

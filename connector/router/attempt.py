@@ -27,6 +27,7 @@ from connector.router.answer import event_break, send_body, send_error
 from connector.router.backends import Lease, Role
 from connector.router.config import FirstToken, Mode, RouterConfig
 from connector.router.legstate import LegEvent, LegState, LegTrack
+from connector.router.response_homes import ResponseIdReader
 from connector.router.tracing import RequestTrace
 from connector.router.upstream import (
     Stream,
@@ -69,6 +70,7 @@ class Attempt:
         authorization: str | None,
         background: set[asyncio.Task[Any]],
         may_retry: bool = False,
+        answer_id: ResponseIdReader | None = None,
     ) -> None:
         self.config, self.endpoint, self.body = config, endpoint, body
         self.p, self.d = p, d
@@ -76,6 +78,7 @@ class Attempt:
         self.coords = p.backend.coords if p is not None else None
         self.may_retry = may_retry
         self.retry: Retry | None = None
+        self.answer_id = answer_id  # reads D's answer's id as it goes out (/v1/responses)
         self.request_id, self.trace, self._authorization = request_id, trace, authorization
         self.stream = bool(body.get("stream", False))
         self.transfer_id = (

@@ -50,6 +50,8 @@ async def _relay_whole(a: Attempt, send: Send, resp: Stream, watch: PrefillWatch
         return
     a.trace.decode_bytes()
     a.d_leg.on(LegEvent.COMPLETED)
+    if a.answer_id is not None and resp.status_code == 200:
+        a.answer_id.whole(body)
     await send(_response_start(a, resp))
     await send({"type": "http.response.body", "body": body, "more_body": False})
     a.trace.sent(body, stream=False)
@@ -80,6 +82,8 @@ async def relay_stream(
             started = True
             await send(_response_start(a, resp))
         a.trace.decode_bytes()
+        if a.answer_id is not None:
+            a.answer_id.events(data)
         tail = (tail + data)[-len(SSE_DONE) :]
         await send({"type": "http.response.body", "body": data, "more_body": True})
         a.trace.sent(data, stream=True)

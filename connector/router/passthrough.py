@@ -3,9 +3,9 @@ that names what the router serves.
 
 Owns: ``passthrough_routes`` (``/v1/models``, ``/version``, ``/tokenize``, ``/detokenize``:
 one D's answer as it is; a stored response, ``/v1/responses/{id}`` and its ``/cancel``:
-each D in turn until one knows it, as vLLM keeps it in the memory of the server that
-answered) and ``not_served`` (the app's 404 handler: any other path). The generation
-endpoints are ``proxy.py``'s.
+the D that answered it, as vLLM keeps it in the memory of that server; an id the router
+does not know (``response_homes``), each D in turn until one knows it) and ``not_served``
+(the app's 404 handler: any other path). The generation endpoints are ``proxy.py``'s.
 
 Must not import: uvicorn; ``connector.router.app`` only for its types.
 """
@@ -13,7 +13,7 @@ Must not import: uvicorn; ``connector.router.app`` only for its types.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from starlette.requests import Request
@@ -49,7 +49,7 @@ ROUTER_OWN: Final = (("GET", "/health"), ("GET", "/router/stats"), ("GET", "/met
 
 def passthrough_routes(state: RouterState) -> list[Route]:
     one = [Route(path, _endpoint(state, _to_one_d), methods=[m]) for m, path in TO_ONE_D]
-    each = [Route(path, _endpoint(state, _to_each_d), methods=[m]) for m, path in TO_EACH_D]
+    each = [Route(path, _endpoint(state, _to_home), methods=[m]) for m, path in TO_EACH_D]
     return [*one, *each]
 
 
@@ -61,7 +61,10 @@ async def not_served(request: Request, _exc: Exception) -> Response:
     return error_response(404, why, "not_found")
 
 
-Forward = Callable[["RouterState", str, str, Any, "dict[str, str] | None"], Awaitable[Response]]
+Forward = Callable[
+    ["RouterState", str, str, Any, "dict[str, str] | None", Mapping[str, str]],
+    Awaitable[Response],
+]
 
 
 def _endpoint(state: RouterState, forward: Forward) -> Callable[[Request], Awaitable[Response]]:
@@ -79,7 +82,7 @@ def _endpoint(state: RouterState, forward: Forward) -> Callable[[Request], Await
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         auth = forwarded_authorization(state.config, request.headers.get("authorization"))
         headers = {"Authorization": auth} if auth else None
-        return await forward(state, request.method, path, body, headers)
+        return await forward(state, request.method, path, body, headers, request.path_params)
 
     return endpoint
 
@@ -101,7 +104,12 @@ def _relayed(r: Reply) -> Response:
 
 
 async def _to_one_d(
-    state: RouterState, method: str, path: str, body: Any, headers: dict[str, str] | None
+    state: RouterState,
+    method: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str] | None,
+    _params: Mapping[str, str],
 ) -> Response:
     d = state.backends.pick(Role.DECODE)
     if d is None:
@@ -110,13 +118,27 @@ async def _to_one_d(
     return _relayed(r) if isinstance(r, Reply) else r
 
 
-async def _to_each_d(
-    state: RouterState, method: str, path: str, body: Any, headers: dict[str, str] | None
+async def _to_home(
+    state: RouterState,
+    method: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str] | None,
+    params: Mapping[str, str],
 ) -> Response:
+    """The D that answered the response (while it is a member: its own answer, an error
+    if it is unreachable), else each D in turn; the one that knows it is remembered."""
+    response_id = params["response_id"]
+    url = state.response_homes.home(response_id)
+    if url is not None and (home := state.backends.find(Role.DECODE, url)) is not None:
+        r = await _send(home, method, path, body, headers)
+        return _relayed(r) if isinstance(r, Reply) else r
     last: Response | None = None
     for d in state.backends.pool(Role.DECODE):
         r = await _send(d, method, path, body, headers)
         if isinstance(r, Reply) and r.status_code != 404:
+            if r.status_code == 200:
+                state.response_homes.remember(response_id, d.url)
             return _relayed(r)
         last = _relayed(r) if isinstance(r, Reply) else (last or r)
     if last is None:

@@ -25,12 +25,19 @@ from typing import Any, Final, Protocol
 from starlette.types import Send
 
 from connector.router import affinity, legs
-from connector.router.answer import send_error
+from connector.router.answer import send_error, send_json_error
 from connector.router.attempt import Attempt, Retry
-from connector.router.backends import Backends, Lease, Role
+from connector.router.backends import Backend, Backends, Lease, Role
 from connector.router.chooser import Policy
 from connector.router.config import FirstToken, RouterConfig
 from connector.router.modes import strategy_for
+from connector.router.response_homes import (
+    HomeUnavailable,
+    ResponseHomes,
+    ResponseIdReader,
+    locate,
+    previous_response_id,
+)
 from connector.router.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ class Router(Protocol):
     background: set[asyncio.Task[Any]]  # P legs still running after D's answer went out
     retries: Counter[str]
     degraded: int
+    response_homes: ResponseHomes  # /v1/responses: which D stores each answer
 
 
 async def serve_attempt(a: Attempt, send: Send) -> None:
@@ -111,15 +119,36 @@ async def serve_request(
 ) -> str | None:
     """Up to ``max_attempts`` attempts, each with a fresh transfer_id, while every leg
     failure so far came before the client's first byte. ``unavailable(reason)`` answers
-    503 when no backend can serve. Returns why the request failed, if it did."""
+    503 when no backend can serve. A Responses API request continuing a stored response
+    goes to the D that stores it (``response_homes.locate``), and no other: one attempt.
+    Returns why the request failed, if it did."""
     max_attempts = router.config.max_attempts
     failed: dict[Role, set[int]] = {Role.PREFILL: set(), Role.DECODE: set()}
     last: Retry | None = None
     prefix = prefix_of(router.config, body)
     alone = legs.decode_alone_reason(body, endpoint)
+    home: Backend | None = None
+    if endpoint is legs.Endpoint.RESPONSES and (prev := previous_response_id(body)) is not None:
+        route_start = time.time_ns()
+        try:
+            home = await locate(router.backends, router.response_homes, prev, authorization)
+        except HomeUnavailable as exc:
+            trace.routed(route_start, None, None, None, error=exc.message)
+            trace.attempted(0, degraded=False)
+            kind = "not_found" if exc.status == 404 else "service_unavailable"
+            await send_json_error(send, exc.status, exc.message, kind, request_id)
+            return exc.message
+        if home is not None:
+            max_attempts = 1
+            home_why = f"previous_response_id {prev!r} is stored on this D only"
     for attempt in range(1, max_attempts + 1):
         route_start = time.time_ns()
-        p, d = route(router, failed, prefix, decode_alone=alone is not None)
+        p: Lease | None
+        d: Lease | None
+        if home is not None:
+            p, d = None, router.backends.lease(home, home_why)
+        else:
+            p, d = route(router, failed, prefix, decode_alone=alone is not None)
         if d is None:
             trace.routed(route_start, None, None, None, error="no_backend")
             trace.attempted(attempt - 1, degraded=False)
@@ -156,6 +185,9 @@ async def serve_request(
             authorization=authorization,
             background=router.background,
             may_retry=attempt < max_attempts,
+            answer_id=_answer_id_reader(router.response_homes, d.backend)
+            if endpoint is legs.Endpoint.RESPONSES
+            else None,
         )
         await serve_attempt(a, send)
         if a.retry is None:
@@ -175,3 +207,8 @@ async def serve_request(
             last.error.message,
         )
     raise AssertionError("the last attempt answers the client")  # may_retry was False
+
+
+def _answer_id_reader(homes: ResponseHomes, d: Backend) -> ResponseIdReader:
+    """Remembers ``d`` as the home of the response it answers, once its id is seen."""
+    return ResponseIdReader(lambda response_id: homes.remember(response_id, d.url))

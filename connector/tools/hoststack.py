@@ -78,6 +78,7 @@ class HostStack(StartStop):
     decode_instances: Sequence[Instance] = TWO_BY_TWO[1]
     on_hosts: bool = True
     server_args: Sequence[str] = ()  # appended to every vLLM command line
+    server_env: Mapping[str, str] = field(default_factory=dict)  # added to every server's
     router_args: Sequence[str] = ()
     kv_load_failure_policy: str = "recompute"
     tracing: bool = True
@@ -112,7 +113,11 @@ class HostStack(StartStop):
         extra = {"side_channel_host": addr, **inst.extra_config}
         parse_config(extra)  # a bad knob fails here, not in four servers' workers
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-        env = {"VLLM_CPU_OMP_THREADS_BIND": inst.cpus, **trace_env(self.run_dir, self.tracing)}
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": inst.cpus,
+            **trace_env(self.run_dir, self.tracing),
+            **self.server_env,
+        }
         if where is not None:
             env |= where.ucx_env()
         tp = ["--tensor-parallel-size", str(inst.tp)] if inst.tp > 1 else []

@@ -46,6 +46,8 @@ def start(model: Path, run_dir: Path) -> HostStack:
         on_hosts=False,
         kv_load_failure_policy="fail",
         router_args=["--policy", "prefix", "--signals-interval", "0.5"],
+        # vLLM stores Responses API answers only with this (a conversation test continues one)
+        server_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     )
     try:
         s.start(START_TIMEOUT_S)

@@ -13,7 +13,8 @@ restart shares (it runs after these tests).
 - Two router replicas (``--policy prefix``, the Ds listed in opposite orders): a prefix sent
   first through one and then through both at once reaches one D, whose cache serves it.
 - ``n = 3``, ``best_of = 2`` and a list of 4 prompts (D alone) equal the single instance's.
-- ``/v1/responses`` (D alone), streamed and not, equals the same request sent to each D.
+- ``/v1/responses`` (D alone), streamed and not, equals the same request sent to each D; a
+  two-turn conversation (``previous_response_id``) stays on the D that stores it.
 """
 
 from __future__ import annotations
@@ -460,3 +461,62 @@ def test_responses_api_through_the_router_equals_d_alone(stack: HostStack, strea
     assert root is not None
     assert str(root.attr(Attr.ROUTE_REASON.value)).startswith(f"D alone: {legs.RESPONSES_ALONE}")
     print(f"[routing] /v1/responses (stream={stream}): {text!r} equals each D's")
+
+
+def _stored_on(stack: HostStack, response_id: str) -> list[str]:
+    """The Ds (URLs) whose own ``GET /v1/responses/{id}`` knows ``response_id``."""
+    out = []
+    for d in stack.decodes:
+        with _client(d.url) as c:
+            if c.get(f"/v1/responses/{response_id}").status_code == 200:
+                out.append(d.url)
+    return out
+
+
+def _two_turns(client: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A conversation of two turns, the first streamed: the second turn's answer and the
+    first's id (read from its ``response.created`` event)."""
+    first = client.post("/v1/responses", json={**body, "cache_salt": uuid.uuid4().hex})
+    _response_text(first, stream=True)
+    events = [json.loads(x[6:]) for x in first.text.splitlines() if x.startswith("data: ")]
+    first_id = str(events[0]["response"]["id"])
+    follow = {
+        **body,
+        "input": "and then?",
+        "stream": False,
+        "previous_response_id": first_id,
+        "cache_salt": uuid.uuid4().hex,
+    }
+    second = client.post("/v1/responses", json=follow)
+    assert second.status_code == 200, second.text
+    out: dict[str, Any] = second.json()
+    return out, first_id
+
+
+def test_a_responses_conversation_stays_on_its_d(stack: HostStack) -> None:
+    """A second turn (``previous_response_id``) reaches the D that stored the first, through
+    a router whose policy (least-load: the D that has served fewer) would send it to the
+    other D; it equals the same conversation sent to that D alone. Also the retrieval of
+    either turn through the router (docs/routers.md, "Conversations")."""
+    body = {
+        "model": "tiny",
+        "input": " ".join(map(str, random_prompt(40, seed=3800))),
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    decodes = [d.url for d in stack.decodes]
+    with router(stack, "conversation", decodes, "--policy", "least-load") as r:
+        second, first_id = _two_turns(r, body)
+        (home,) = _stored_on(stack, first_id)
+        assert _stored_on(stack, second["id"]) == [home], (home, second["id"])
+        assert dispatched(r) == {home: 2, next(u for u in decodes if u != home): 0}
+        for rid in (first_id, second["id"]):
+            got = r.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200 and got.json()["id"] == rid, got.text
+    with _client(home) as c:
+        ref, _ = _two_turns(c, body)
+    text = _output_text(second)
+    assert text and text == _output_text(ref), (second, ref)
+    print(f"[routing] a two-turn conversation stayed on {home}: {text!r} equals D alone's")

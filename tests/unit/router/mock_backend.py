@@ -11,6 +11,8 @@ failed before its first token); ``abort_first_n`` (the first n answers are vLLM'
 request it aborted before any token: 200, empty text, finish_reason "abort"); ``coords`` (P's probe
 answer); ``pull_params`` (P's returned ``kv_transfer_params``); ``finish_reason`` of a
 whole answer (``return_token_ids`` adds ``PROMPT_IDS`` and ``[TOKEN_ID]``, and usage).
+``/v1/responses``: a whole answer's id is ``resp_<name>_<n>``, kept in ``stored`` unless
+``store`` is false; a ``previous_response_id`` not in ``stored`` is vLLM's 404.
 Records: every generation request (``requests``, ``probes``) with its body, headers and a
 ``disconnected`` event, set when the router closed the request before the answer was done.
 Synchronisation is by events only: ``arrived``, ``first_chunk_sent``, ``wait_for(n)``,
@@ -199,6 +201,11 @@ class MockBackend:
         self.arrived.set()
         if self.gate is not None and not await self._wait(request, self.gate, seen):
             return Response(status_code=499)  # nobody reads it
+        prev = body.get("previous_response_id")
+        if seen.path == "/v1/responses" and prev is not None and prev not in self.stored:
+            # vLLM's answer to a previous response it does not hold, before generating
+            message = f"Response with id '{prev}' not found."
+            return JSONResponse({"error": {"message": message}}, status_code=404)
         if self.fail_first_n > 0:
             self.fail_first_n -= 1
             return JSONResponse(self.error_body, status_code=self.error_status)
@@ -216,8 +223,13 @@ class MockBackend:
             return JSONResponse(aborted)
         if body.get("stream"):
             return StreamingResponse(self._stream(request, seen), media_type="text/event-stream")
+        rid = f"cmpl-{self.name}-{len(self.requests)}"
+        if seen.path == "/v1/responses":
+            rid = f"resp_{self.name}_{len(self.requests)}"
+            if body.get("store", True):
+                self.stored.add(rid)
         answer: dict[str, Any] = {
-            "id": f"cmpl-{self.name}-{len(self.requests)}",
+            "id": rid,
             "object": "text_completion",
             "model": self.model,
             "choices": [

@@ -117,19 +117,19 @@ async def test_other_vllm_endpoints_go_to_a_d(
         assert r.json() == {"backend": "d0", "path": path, "query": "", "body": body or {}}
 
 
-async def test_a_stored_response_is_asked_of_each_d(cluster: MakeCluster) -> None:
+async def test_an_unknown_stored_response_is_asked_of_each_d(cluster: MakeCluster) -> None:
     def setup(_ps: list, ds: list) -> None:  # type: ignore[type-arg]
-        ds[1].stored.add("resp_1")
+        ds[1].stored.add("resp_1")  # answered before this router started
 
     c = await cluster(1, 2, setup=setup)
     r = await c.client.get("/v1/responses/resp_1?stream=false")
     assert r.status_code == 200, r.text
     assert r.json()["backend"] == "d1" and r.json()["query"] == "stream=false"
-    cancel = await c.client.post("/v1/responses/resp_1/cancel")
+    cancel = await c.client.post("/v1/responses/resp_1/cancel")  # known now: d1 alone
     assert cancel.status_code == 200 and cancel.json()["backend"] == "d1"
     missing = await c.client.get("/v1/responses/resp_2")
     assert missing.status_code == 404 and "resp_2 not found" in missing.text  # D's own 404
-    assert len(c.d[0].others) == 3 and len(c.d[1].others) == 3
+    assert len(c.d[0].others) == 2 and len(c.d[1].others) == 3
 
 
 async def test_an_unserved_path_is_a_json_404_naming_what_is_served(cluster: MakeCluster) -> None:
