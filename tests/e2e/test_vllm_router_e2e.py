@@ -23,7 +23,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -132,21 +132,23 @@ def rendezvous_spans(run_dir: Path, want: int, name: str = RENDEZVOUS) -> list[d
         time.sleep(0.2)
 
 
-def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) -> None:
+def cold_then_concurrent(
+    stand: Pd,
+    label: str,
+    headers: dict[str, str] | None = None,
+    after_first: Callable[[], object] = lambda: None,
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """20 prompts through the router: a cold first one (``headers`` on it; ``after_first``
+    runs once it is answered), which vllm-router sends sequentially, then the rest at once;
+    D took every prompt token from P. The prompts and their answers."""
     prompts = [random_prompt(LENGTHS[i % len(LENGTHS)], seed=7000 + i) for i in range(20)]
     before = source_tokens(stand.decode)
     t0 = time.monotonic()
-    # A client trace context on the cold request: vllm-router forwards the header, but vLLM
-    # drops it before the engine unless its own tracing is on (docs/routers.md).
-    resp = stand.router.post(
-        "/v1/completions",
-        json=greedy_body(prompts[0]),
-        headers={"traceparent": CLIENT_TRACEPARENT},
-    )
+    resp = stand.router.post("/v1/completions", json=greedy_body(prompts[0]), headers=headers)
     assert resp.status_code == 200, resp.text
     first = resp.json()
-    print(f"\n[vllm-router] cold first request: {(time.monotonic() - t0) * 1000:.0f} ms")
-    first_spans = rendezvous_spans(stand.stack.run_dir, 1)
+    print(f"\n[{label}] cold first request: {(time.monotonic() - t0) * 1000:.0f} ms")
+    after_first()
     t0 = time.monotonic()
     with ThreadPoolExecutor(CONCURRENT) as pool:
         rest = list(
@@ -154,14 +156,27 @@ def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) ->
                 lambda p: post_ok(stand.router, "/v1/completions", greedy_body(p)), prompts[1:]
             )
         )
-    print(f"[vllm-router] {CONCURRENT} concurrent requests: {(time.monotonic() - t0):.1f} s")
+    print(f"[{label}] {CONCURRENT} concurrent requests: {(time.monotonic() - t0):.1f} s")
     total = sum(len(p) for p in prompts)
     after = settled_source_tokens(stand.decode, before["external_kv_transfer"] + total)
     delta = {k: after[k] - before[k] for k in after}
-    print(f"[vllm-router] D's prompt tokens by source over {total}: {delta}")
+    print(f"[{label}] D's prompt tokens by source over {total}: {delta}")
     # Taken before the references, which D computes itself.
     assert delta["external_kv_transfer"] == total and delta["local_compute"] == 0, (
         f"D did not take every prompt token from P: {delta}; logs in {stand.stack.run_dir}"
+    )
+    return prompts, [first, *rest]
+
+
+def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) -> None:
+    # A client trace context on the cold request: vllm-router forwards the header, but vLLM
+    # drops it before the engine unless its own tracing is on (docs/routers.md).
+    first_spans: list[dict[str, str]] = []
+    prompts, answers = cold_then_concurrent(
+        stand,
+        "vllm-router",
+        headers={"traceparent": CLIENT_TRACEPARENT},
+        after_first=lambda: first_spans.extend(rendezvous_spans(stand.stack.run_dir, 1)),
     )
     spans = rendezvous_spans(stand.stack.run_dir, len(prompts))
     firsts = [s.get(FIRST_ARRIVED) for s in spans]
@@ -181,7 +196,7 @@ def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) ->
     for s in spans:
         want = derived_traceparent(s[TRANSFER_ID]).split("-")[1]
         assert (s["traceId"], awaits.get(s[TRANSFER_ID])) == (want, want), (s, awaits)
-    for i, (prompt, got) in enumerate(zip(prompts, [first, *rest], strict=True)):
+    for i, (prompt, got) in enumerate(zip(prompts, answers, strict=True)):
         assert_matches_reference(got, reference(stand, prompt), f"request {i}")
 
 

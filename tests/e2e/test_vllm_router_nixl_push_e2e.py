@@ -1,0 +1,61 @@
+"""The baseline of ``test_vllm_router_e2e.py``: vLLM's own ``NixlPushConnector`` behind the
+same ``vllm-router`` (``--vllm-pd-disaggregation --kv-connector nixl``), on the tiny model,
+with the same requests: a cold first request (sequential) and 19 concurrent ones, whose
+greedy outputs equal the single instance's (tests/e2e/greedy.py's rule), D taking its
+prompts' KV from P (``vllm:prompt_tokens_by_source_total``).
+
+The stack is the bench's ``vllm-push-vr`` configuration (``connector.tools.bench.stacks``):
+P, D and vllm-router started together, stopped by PID on the way out. No other e2e starts
+a NixlPushConnector pair, so it has a stack of its own, which is why it is marked ``perf``
+(not part of ``make test``, whose time CI is short of): run it with
+``pytest -m perf tests/e2e/test_vllm_router_nixl_push_e2e.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from connector.tools.bench.stacks import CONFIGS, make_stack
+from connector.tools.vllm_router import vllm_router_installed
+from tests.e2e.conftest import START_TIMEOUT_S, Pd
+from tests.e2e.greedy import assert_matches_reference
+from tests.e2e.test_push_e2e import reference
+from tests.e2e.test_vllm_router_e2e import HTTP_TIMEOUT_S, cold_then_concurrent
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.perf,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        not vllm_router_installed(),
+        reason="vllm-router is not installed (pip install -e '.[test]')",
+    ),
+]
+
+CONFIG = "vllm-push-vr"
+
+
+@pytest.fixture(scope="module")
+def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
+    stack = make_stack(CONFIGS[CONFIG], tiny_model, e2e_log_dir / f"{CONFIG}-e2e")
+    try:
+        stack.start(START_TIMEOUT_S)
+        print(f"\n[{CONFIG}] healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
+        with (
+            httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,
+            httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as p,
+            httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d,
+        ):
+            yield Pd(stack, r, p, d)
+    finally:
+        stack.stop()
+
+
+def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) -> None:
+    prompts, answers = cold_then_concurrent(stand, CONFIG)
+    for i, (prompt, got) in enumerate(zip(prompts, answers, strict=True)):
+        assert_matches_reference(got, reference(stand, prompt), f"request {i}")
