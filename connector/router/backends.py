@@ -332,10 +332,6 @@ class Backends:
         choice = self.chooser.choose(role.value, (b.load for b in by_index.values()), prefix, now)
         return Lease(by_index[choice.load.index], choice) if choice is not None else None
 
-    def lease(self, b: Backend, reason: str) -> Lease:
-        """A leg on ``b`` itself, which the request named (a conversation's D): no choice."""
-        return Lease(b, Choice(b.load, reason))
-
     def find(self, role: Role, key: str) -> Backend | None:
         """The backend of ``role`` named by its index (``0``) or its URL, else None."""
         pool = self.pool(role)

@@ -28,7 +28,7 @@ from connector.router import affinity, legs
 from connector.router.answer import send_error, send_json_error
 from connector.router.attempt import Attempt, Retry
 from connector.router.backends import Backend, Backends, Lease, Role
-from connector.router.chooser import Policy
+from connector.router.chooser import Choice, Policy
 from connector.router.config import FirstToken, RouterConfig
 from connector.router.modes import strategy_for
 from connector.router.response_homes import (
@@ -146,7 +146,7 @@ async def serve_request(
         p: Lease | None
         d: Lease | None
         if home is not None:
-            p, d = None, router.backends.lease(home, home_why)
+            p, d = None, Lease(home, Choice(home.load, home_why))  # the request named it
         else:
             p, d = route(router, failed, prefix, decode_alone=alone is not None)
         if d is None:
