@@ -128,11 +128,13 @@ def running_pd(
     prefill_tp: int = 1,
     push_config: Mapping[str, Any] | None = None,
     start_timeout_s: float = START_TIMEOUT_S,
+    decode_tp: int = 1,
 ) -> Iterator[Pd]:
     """P + D (PushConnector, or another of pdstack's ``CONNECTORS``) + router on ``model``,
     warmed up; stopped on leaving. ``server_args`` go to both vLLM command lines (e.g.
     ``--kv-cache-dtype fp8``); ``prefill_tp`` 2 puts P's ranks on cores 0 and 1 (D stays on
-    core 1); ``push_config``: pushkv knobs for both sides."""
+    core 1), ``decode_tp`` 2 D's on cores 1 and 0; ``push_config``: pushkv knobs for both
+    sides."""
     push = connector_name == "PushConnector"
     both = dict(push_config or {}) if push else {}
     stack = PdStack(
@@ -144,6 +146,8 @@ def running_pd(
         server_args=server_args,
         prefill_cpus="|".join(str(i % 2) for i in range(prefill_tp)),
         prefill_tp=prefill_tp,
+        decode_cpus="|".join(str((i + 1) % 2) for i in range(decode_tp)),
+        decode_tp=decode_tp,
     )
     try:
         stack.start(start_timeout_s)
