@@ -6,6 +6,10 @@ STAMP := $(VENV)/.pushkv-installed
 export UCX_TLS ?= tcp,sm,self
 export UCX_NET_DEVICES ?= lo
 export HF_HUB_OFFLINE := 1
+# Bytecode is cached even where the environment sets PYTHONDONTWRITEBYTECODE=1 (as CI's does):
+# the 0.26 venv is installed --no-compile, and without a cache every process, each vLLM
+# server's three among them, recompiled every module it imported.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv test unit perf lint demo clean bench-smoke test-vllm026 soak
 
