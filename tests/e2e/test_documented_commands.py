@@ -116,13 +116,15 @@ def test_readme_pd_stack_as_written(tmp_path: Path) -> None:
 
 def _makefile_recipe(target: str, env: dict[str, str]) -> list[str]:
     """The recipe lines of ``target``; ``env`` gets the variables the Makefile exports
-    (``?=`` only where unset, as make does)."""
+    (``?=`` only where unset, as make does) and loses those it unexports."""
     text = (ROOT / "Makefile").read_text()
     m = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)+)", text, flags=re.M)
     assert m is not None, f"no `{target}` rule with a recipe in the Makefile"
     for name, op, value in re.findall(r"^export\s+(\w+)\s*([?:]?)=\s*(\S+)\s*$", text, re.M):
         if op != "?" or name not in env:
             env[name] = value
+    for name in re.findall(r"^unexport\s+(\w+)\s*$", text, re.M):
+        env.pop(name, None)
     return [line.strip() for line in m[1].splitlines()]
 
 
