@@ -6,9 +6,7 @@ prompts' KV from P (``vllm:prompt_tokens_by_source_total``).
 
 The stack is the bench's ``vllm-push-vr`` configuration (``connector.tools.bench.stacks``):
 P, D and vllm-router started together, stopped by PID on the way out. No other e2e starts
-a NixlPushConnector pair, so it has a stack of its own, which is why it is marked ``perf``
-(not part of ``make test``, whose time CI is short of): run it with
-``pytest -m perf tests/e2e/test_vllm_router_nixl_push_e2e.py``.
+a NixlPushConnector pair, so it has a stack of its own (about a minute of CI).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from tests.e2e.test_vllm_router_e2e import HTTP_TIMEOUT_S, cold_then_concurrent
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.perf,
     pytest.mark.timeout(900),
     pytest.mark.skipif(
         not vllm_router_installed(),
