@@ -2,8 +2,8 @@
 over real sockets and real NIXL processes on loopback.
 
 The pure logic (backoff, which callback runs when) is tests/unit/transfer/test_peers.py;
-here: the side channel's dials run beside each other and a refused connection is seen in
-milliseconds, and a D rank waiting on two P engines loses only the killed one's transfers,
+here: the side channel's dials run beside each other and a refused connection is seen before
+any timeout, and a D rank waiting on two P engines loses only the killed one's transfers,
 at its next heartbeat, while the other's complete as usual.
 """
 
@@ -25,10 +25,9 @@ from connector.transport.sidechannel import SideChannel
 pytestmark = [pytest.mark.nixl]
 
 MS = 1_000_000
-# Each bound below is one to two orders of magnitude above what an idle box takes (a dial
-# on loopback: ~1 ms; a heartbeat: 200 ms) and far below the timeouts that would end the
-# same waits without the behaviour under test (2 s for a silent dial, D's 30 s deadline).
-FAST_S = 0.5
+# Each time bound below is an order of magnitude above what an idle box takes (a heartbeat:
+# 200 ms) and far below the timeout that would end the same wait without the behaviour under
+# test (D's 30 s deadline).
 
 
 def _wait_for(what: str, pred: Callable[[], object], timeout_s: float) -> float:
@@ -59,13 +58,14 @@ def channels() -> Iterator[Callable[..., SideChannel]]:
 def test_a_dial_to_a_silent_peer_does_not_hold_up_a_dial_to_a_live_one(
     channels: Callable[..., SideChannel],
 ) -> None:
-    me = channels("me", connect_timeout_s=1.0, io_timeout_s=1.0)
+    # Silent dials end only at timeouts far past the waits below (or when the silent
+    # listener closes): behind one of them, the live peer's answer could not come in time.
+    me = channels("me", connect_timeout_s=60.0, io_timeout_s=60.0)
     live = channels("live")
     # Accepts connections (the kernel's backlog) but never reads or answers: a hung peer.
     with socket.create_server(("127.0.0.1", 0)) as silent:
         for i in range(3):  # more silent peers than one worker could take in turn
             me.request(f"silent-{i}", "127.0.0.1", silent.getsockname()[1])
-        t0 = time.monotonic()
         me.request("live", *live.address)
         got: list[str] = []
 
@@ -73,21 +73,20 @@ def test_a_dial_to_a_silent_peer_does_not_hold_up_a_dial_to_a_live_one(
             got.extend(p.peer for p in me.drain())
             return "live" in got
 
-        took = _wait_for("the live peer's metadata", live_in, timeout_s=5.0)
-        assert took < FAST_S, f"the live peer's dial waited {took:.3f} s behind silent ones"
-        assert time.monotonic() - t0 < 1.0, "answered only after a silent dial timed out"
+        _wait_for("the live peer's metadata", live_in, timeout_s=5.0)
+        assert not [k for k in me.counters if k.startswith("dials_failed")], me.counters
         for i in range(3):
+            assert me.last_error(f"silent-{i}") == "a dial is in flight, no answer yet"
             assert me.refused(f"silent-{i}") is None, "a peer that accepted is not gone"
 
 
-def test_a_refused_dial_is_known_in_milliseconds_and_a_new_dial_clears_it(
+def test_a_refused_dial_is_known_at_once_and_a_new_dial_clears_it(
     channels: Callable[..., SideChannel],
 ) -> None:
-    me = channels("me")
+    me = channels("me", connect_timeout_s=60.0)  # the refusal, not a timeout, ends the dial
     dead_port = free_port()
     me.request("dead", "127.0.0.1", dead_port)
-    took = _wait_for("the refusal", lambda: me.refused("dead"), timeout_s=5.0)
-    assert took < FAST_S
+    _wait_for("the refusal", lambda: me.refused("dead"), timeout_s=5.0)
     assert "refused" in (me.refused("dead") or "").lower()
     back = channels("dead", port=dead_port)  # it comes back at the same address
     me.request("dead", *back.address)

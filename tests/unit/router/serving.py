@@ -2,7 +2,8 @@
 
 Owns: ``InLoopServer`` (uvicorn without its 0.1 s ticks, signal capture or grace sleep, so a
 test starts and stops several servers in milliseconds; the apps share the test's loop, so
-mocks and tests synchronise with plain ``asyncio.Event``s) and ``within``.
+mocks and tests synchronise with plain ``asyncio.Event``s), ``within``, ``until`` and
+``LoopClock`` (the loop's clock moved forward by the test, for deadlines under test).
 Real sockets because httpx's ASGITransport buffers whole responses: streaming and
 disconnects need a real connection.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -31,6 +32,34 @@ async def within(aw: Awaitable[T], what: str, timeout_s: float = WAIT_S) -> T:
             return await aw
     except TimeoutError:
         pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    """Poll ``cond`` (state of the code under test, no event to wait on) within ``WAIT_S``."""
+
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.005)  # pacing of the poll, not synchronisation
+
+    await within(poll(), what)
+
+
+class LoopClock:
+    """The running loop's clock, moved forward only by the test: a deadline under test fires
+    when ``advance`` passes it, never early because a loaded machine was slow to get the
+    legs there. Every asyncio, anyio and aiohttp timer reads ``loop.time()``.
+
+    Never moved back (not even at teardown): timers already scheduled would stall."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.time
+        self.skipped_s = 0.0
+        loop.time = lambda: real() + self.skipped_s  # type: ignore[method-assign]
+
+    def advance(self, seconds: float) -> None:
+        """Every timer due within ``seconds`` fires on the loop's next turn."""
+        self.skipped_s += seconds
 
 
 class InLoopServer(uvicorn.Server):

@@ -12,12 +12,18 @@ import pytest
 from connector.router.config import Mode
 from tests.unit.router.conftest import MakeCluster
 from tests.unit.router.mock_backend import MockBackend
-from tests.unit.router.serving import within
+from tests.unit.router.serving import LoopClock, until, within
 
 pytestmark = pytest.mark.anyio
 
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 8}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+# The timeout tests' --timeout: reached only when the test moves the loop's clock past it
+# (LoopClock), so a slow machine can neither fire it early nor let a leg lose a race to it.
+# Past it by 2 s (aiohttp rounds deadlines of 5 s or more up to the next second) and short
+# of the client's 30 s and uvicorn's 30 s keep-alive, which must not fire.
+LEG_S = 10.0
+PAST_LEG_S = LEG_S + 2
 
 
 @pytest.mark.parametrize(
@@ -101,9 +107,14 @@ async def test_unreachable_p_is_502_and_cancels_d(cluster: MakeCluster) -> None:
 
 
 async def test_hung_legs_are_504_and_both_closed(cluster: MakeCluster) -> None:
-    c = await cluster(timeout_s=0.3)
+    c = await cluster(timeout_s=LEG_S)
+    clock = LoopClock()
     c.p[0].gate, c.d[0].gate = asyncio.Event(), asyncio.Event()  # neither answers
-    r = await c.client.post("/v1/completions", json=COMPLETION)
+    answer = asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
+    await c.p[0].wait_for(1)
+    await c.d[0].wait_for(1)
+    clock.advance(PAST_LEG_S)
+    r = await within(answer, "the router's answer once both legs' deadlines passed")
     # P's deadline and D's read timeout are the same --timeout: either may fire first.
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
     await within(c.d[0].requests[0].disconnected.wait(), "D's leg to be closed")
@@ -113,9 +124,13 @@ async def test_hung_legs_are_504_and_both_closed(cluster: MakeCluster) -> None:
 
 
 async def test_p_timeout_is_504(cluster: MakeCluster) -> None:
-    c = await cluster(mode=Mode.PULL, timeout_s=0.3, degraded=False)  # P alone on the clock
+    c = await cluster(mode=Mode.PULL, timeout_s=LEG_S, degraded=False)  # P alone on the clock
+    clock = LoopClock()
     c.p[0].gate = asyncio.Event()
-    r = await c.client.post("/v1/completions", json=COMPLETION)
+    answer = asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
+    await c.p[0].wait_for(1)
+    clock.advance(PAST_LEG_S)
+    r = await within(answer, "the router's answer once P's deadline passed")
     assert r.status_code == 504
     assert r.json()["error"]["message"].startswith("prefill[0]")
     await within(c.p[0].requests[0].disconnected.wait(), "P's timed-out leg to be closed")
@@ -123,9 +138,15 @@ async def test_p_timeout_is_504(cluster: MakeCluster) -> None:
 
 
 async def test_d_timeout_is_504(cluster: MakeCluster) -> None:
-    c = await cluster(timeout_s=0.3)
+    c = await cluster(timeout_s=LEG_S)
+    clock = LoopClock()
     c.d[0].gate = asyncio.Event()  # P answers; D never does
-    r = await c.client.post("/v1/completions", json=COMPLETION)
+    answer = asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
+    await c.d[0].wait_for(1)
+    p = c.state.backends.prefill[0].load
+    await until(lambda: len(c.p[0].requests) == 1 and p.outstanding == 0, "P's leg to end")
+    clock.advance(PAST_LEG_S)  # past D's read timeout only: P's leg is over
+    r = await within(answer, "the router's answer once D's read timeout passed")
     assert r.status_code == 504
     assert r.json()["error"]["message"].startswith("decode[0]")
     await within(c.d[0].requests[0].disconnected.wait(), "D's timed-out leg to be closed")

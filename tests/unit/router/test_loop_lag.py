@@ -11,6 +11,7 @@ import pytest
 from connector.router.looplag import LoopLag
 from telemetry.schema import Attr, Metric, Span
 from tests.unit.router.conftest import MakeCluster
+from tests.unit.router.serving import until
 from tests.unit.telemetry.memory import Recorder
 
 pytestmark = pytest.mark.anyio
@@ -34,9 +35,10 @@ async def test_a_blocked_loop_is_measured() -> None:
     lag.start()
     try:
         since = time.monotonic_ns()
-        await asyncio.sleep(0.02)  # let it tick
+        await asyncio.sleep(0)  # one turn: the task (scheduled first) asks to wake in 5 ms
         time.sleep(0.15)  # the stall under test: hold the loop, as a blocking call would
-        await asyncio.sleep(0.02)  # the overdue tick runs now
+        # Its wake asked for before the stall is at least 145 ms late whenever it runs.
+        await until(lambda: lag.worst_since(since) > 0, "the overdue tick")
         assert lag.worst_since(since) >= 100_000_000
     finally:
         await lag.stop()

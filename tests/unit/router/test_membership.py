@@ -14,7 +14,7 @@ from connector.router.config import Mode
 from telemetry.schema import Attr, Span
 from tests.unit.router.conftest import MakeCluster, p_coords
 from tests.unit.router.mock_backend import MockBackend
-from tests.unit.router.serving import InLoopServer, within
+from tests.unit.router.serving import WAIT_S, InLoopServer, until, within
 from tests.unit.router.test_choice_and_modes import COMPLETION
 from tests.unit.telemetry.memory import Recorder
 
@@ -156,7 +156,7 @@ async def test_remove_drains_then_forgets(cluster: MakeCluster) -> None:
     in_flight = asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
     await c.d[0].wait_for(1, "the request in flight at d0")
     removing = asyncio.create_task(c.client.delete("/admin/backends/decode/0"))
-    await within(_until(lambda: c.state.backends.decode[0].load.draining), "d0 draining")
+    await until(lambda: c.state.backends.decode[0].load.draining, "d0 draining")
     # While d0 drains, new requests go to d1 (without the drain the tie would not matter:
     # d0 is busy anyway, so make d1 busier to show the drain decides).
     c.d[1].gate = asyncio.Event()
@@ -190,7 +190,8 @@ async def test_remove_past_its_timeout_leaves_it_draining(cluster: MakeCluster) 
     assert c.state.backends.decode[0].load.draining and len(c.state.backends.decode) == 2
     c.d[0].gate.set()
     assert (await within(in_flight, "d0's request")).status_code == 200
-    r = await c.client.delete("/admin/backends/decode/0?timeout=0.05")
+    # Idle now, or within a loop turn of the answer: a wait that must not run out.
+    r = await c.client.delete(f"/admin/backends/decode/0?timeout={WAIT_S:g}")
     assert r.status_code == 200 and len(c.state.backends.decode) == 1
     assert (await c.client.delete("/admin/backends/decode/1?timeout=x")).status_code == 400
 
@@ -260,8 +261,3 @@ async def test_prefix_policy_keeps_a_shared_prefix_on_one_d(cluster: MakeCluster
     for root in roots[1:]:
         assert root.attributes[Attr.ROUTE_PREFIX_BLOCKS.value] >= blocks
         assert root.attributes[Attr.ROUTE_REASON.value].startswith("prefix: holds")
-
-
-async def _until(predicate: object) -> None:
-    while not predicate():  # type: ignore[operator]
-        await asyncio.sleep(0.005)  # polled state of the router under test, bounded by within
