@@ -182,42 +182,45 @@ def test_bad_requests_are_dropped_counted_and_serving_goes_on(
     assert [m.peer for m in sc.drain()] == [f"ok-{r}" for r in BAD_REQUESTS]  # no bad one
 
 
+@contextlib.contextmanager
+def silent_clients(sc: SideChannel, n: int) -> Iterator[list[socket.socket]]:
+    """``n`` connections to ``sc`` that never send a byte, closed on the way out."""
+    idle = [socket.create_connection(sc.address, timeout=5.0) for _ in range(n)]
+    try:
+        yield idle
+    finally:
+        for s in idle:
+            s.close()
+
+
+def answers(sc: SideChannel) -> bool:
+    """A well-formed exchange gets a reply."""
+    reply = raw_exchange(sc.address, encode_frame(KIND_EXCHANGE, "c", b""))
+    return FrameReader().feed(reply) is not None
+
+
 def test_excess_clients_are_turned_away_and_serving_goes_on(
     channel: Callable[..., SideChannel],
 ) -> None:
     # Deadlines far past the test: the two silent clients hold their slots until they leave.
     sc = channel(connect_timeout_s=60.0, io_timeout_s=60.0, max_conns=2)
-    idle = [socket.create_connection(sc.address, timeout=5.0) for _ in range(2)]
-    try:  # accepted in connection order: the third finds both slots taken
-        assert raw_exchange(sc.address, b"") == b""  # a third: closed at once
+    with silent_clients(sc, 2):  # accepted in connection order: a third finds both taken
+        assert raw_exchange(sc.address, b"") == b""  # the third: closed at once
         wait_until(lambda: sc.counters.get("dropped_busy") == 1, what="busy")
-    finally:
-        for s in idle:
-            s.close()
     # Their slots free once the server has seen them leave; then it answers again.
     wait_until(lambda: sc.counters.get("dropped_truncated") == 2, what="the silent ones gone")
-    assert (
-        FrameReader().feed(raw_exchange(sc.address, encode_frame(KIND_EXCHANGE, "c", b"")))
-        is not None
-    )
+    assert answers(sc)
 
 
 def test_stalled_clients_are_hung_up_on_at_their_deadline(
     channel: Callable[..., SideChannel],
 ) -> None:
     sc = channel(connect_timeout_s=0.25, io_timeout_s=0.25)  # 0.5 s per exchange
-    idle = [socket.create_connection(sc.address, timeout=5.0) for _ in range(2)]
-    try:
+    with silent_clients(sc, 2) as idle:
         for s in idle:  # the server hangs up on silent clients after their deadline
             assert s.recv(1) == b""
         wait_until(lambda: sc.counters.get("dropped_stalled") == 2, what="stalled")
-    finally:
-        for s in idle:
-            s.close()
-    assert (
-        FrameReader().feed(raw_exchange(sc.address, encode_frame(KIND_EXCHANGE, "c", b"")))
-        is not None
-    )
+    assert answers(sc)
 
 
 def test_client_exchange_checks_the_peer_name_and_coalesces(
