@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -47,8 +48,8 @@ def local_transport() -> Iterator[Callable[..., object]]:
 
     made: list[NixlTransport] = []
 
-    def make(name: str, port: int | None = None) -> NixlTransport:
-        t = NixlTransport(name, listen_port=port or free_port())
+    def make(name: str, port: int | None = None, **kw: Any) -> NixlTransport:
+        t = NixlTransport(name, listen_port=port or free_port(), **kw)
         made.append(t)
         return t
 

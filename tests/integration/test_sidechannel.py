@@ -327,7 +327,8 @@ def test_late_listener_connects_thanks_to_retries(
 def test_unreachable_peer_fails_within_the_timeout(
     local_transport: Callable[..., NixlTransport], peers: Callable[..., PeerProcess], peer_kind: str
 ) -> None:
-    p = local_transport("prefill")
+    # The dial to the black hole ends only when it closes: still in flight at the deadline.
+    p = local_transport("prefill", side_timeout_s=60.0)
     hole = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     try:
         port = {
