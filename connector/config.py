@@ -112,7 +112,9 @@ class PushkvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # KV, P writing) waits up to this long for the transfer to end before it returns:
     # vLLM's engine otherwise runs such empty steps back to back, which on a small host
     # takes the CPU from P's prefill and D's API server. It returns as soon as
-    # a result is in, so it never delays one. 0 turns it off.
+    # a result is in, so it never delays one of its rank's; a rank with none of its own (MLA's
+    # P ranks past 0) sleeps it whole, so the step may end up to this long after another
+    # rank's result. 0 turns it off.
     idle_step_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.005
     tombstone_s: Seconds = _s(SenderPolicy.tombstone_ns)
     # Shutdown (vLLM's SIGTERM with --shutdown-timeout N > 0: it stops taking requests and

@@ -72,6 +72,9 @@ class StepPlan:
     load_blocks: dict[str, int] = field(default_factory=dict)
     # The step schedules no tokens (vLLM steps anyway while transfers are in progress).
     idle: bool = False
+    # A transfer of some request is still in progress on some rank (the scheduler role's
+    # view): on an idle step every rank waits, also one with no transfer of its own.
+    transfers_pending: bool = False
     # The engine is shutting down (connector/shutdown.py): transfers still waiting this
     # long from now end with reason "shutdown". None while it runs.
     shutdown_grace_s: float | None = None

@@ -233,6 +233,7 @@ class SchedulerSide:
             self._enter(rid, rec, move)
         step, self._step = self._step, StepPlan()
         step.idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        step.transfers_pending = any(r.state.transfer_pending for r in self._reqs.values())
         return step
 
     def request_finished(

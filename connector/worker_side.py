@@ -333,9 +333,16 @@ class WorkerSide:
         if self.thread is None:
             return self._results(set(), failed_now, set(failed_now))
         plan, wait_s = self._plan, self.cfg.idle_step_wait_s
-        if plan is not None and plan.idle and wait_s > 0 and self.thread.transfers_pending:
+        if (
+            plan is not None
+            and plan.idle
+            and wait_s > 0
+            and (self.thread.transfers_pending or plan.transfers_pending)
+        ):
             # Nothing to compute this step: wait (briefly) for the transfer instead of
-            # letting vLLM spin the next empty step at once.
+            # letting vLLM spin the next empty step at once. A rank with no transfer of its
+            # own (MLA: P ranks past 0) waits too: returning at once, it would spin in vLLM's
+            # message queue for the next step, a whole core, while the others wait.
             self.thread.wait_for_results(wait_s)  # counted by the thread
         sent = set(self.thread.take_finished_sending())
         received = self.thread.take_finished_recving()

@@ -36,8 +36,14 @@ class ReqState(enum.Enum):
         """A push may still be running: the engine must keep stepping (has_pending_push_work)."""
         return self in _PUSH_PENDING
 
+    @property
+    def transfer_pending(self) -> bool:
+        """A transfer of this request may still run on some rank: P pushing, D receiving."""
+        return self in _TRANSFER_PENDING
+
 
 _PUSH_PENDING = frozenset({ReqState.PUSHING, ReqState.HANDED_OVER})
+_TRANSFER_PENDING = _PUSH_PENDING | {ReqState.RECEIVING, ReqState.ABORTING}
 
 
 # ---------------------------------------------------------------- events: a request arrives

@@ -59,20 +59,28 @@ class FakeThread:
         return []
 
 
-def worker(wait_s: float, pending: bool, idle: bool) -> tuple[WorkerSide, FakeThread]:
+def worker(
+    wait_s: float, pending: bool, idle: bool, elsewhere: bool = False
+) -> tuple[WorkerSide, FakeThread]:
+    """``pending``: this rank's transfer thread has a transfer in progress; ``elsewhere``:
+    the step's plan says one is in progress on some rank."""
     w = WorkerSide(PushkvConfig(idle_step_wait_s=wait_s), "e", True, True, 0, 1, 4, 16, {})
     w.thread = FakeThread(pending)  # type: ignore[assignment]
-    w._plan = StepPlan(idle=idle)  # what bind() keeps for the step
+    w._plan = StepPlan(idle=idle, transfers_pending=elsewhere)  # what bind() keeps
     return w, w.thread  # type: ignore[return-value]
 
 
 def test_worker_waits_only_on_idle_steps_with_a_transfer_pending() -> None:
-    for wait_s, pending, idle, expect in (
-        (0.005, True, True, [0.005]),
-        (0.005, True, False, []),  # a forward ran
-        (0.005, False, True, []),  # nothing to wait for
-        (0.0, True, True, []),
-    ):  # turned off
-        w, fake = worker(wait_s, pending, idle)
+    for wait_s, pending, idle, elsewhere, expect in (
+        (0.005, True, True, True, [0.005]),
+        (0.005, True, False, True, []),  # a forward ran
+        (0.005, False, True, False, []),  # nothing to wait for
+        (0.0, True, True, True, []),  # turned off
+        # MLA's P rank 1 while rank 0 pushes: returning at once, it would spin in vLLM's
+        # message queue for the next step, a core that D may share
+        (0.005, False, True, True, [0.005]),
+        (0.005, False, False, True, []),
+    ):
+        w, fake = worker(wait_s, pending, idle, elsewhere)
         assert w.take_results() == (set(), set(), set())
-        assert fake.waits == expect, (wait_s, pending, idle)
+        assert fake.waits == expect, (wait_s, pending, idle, elsewhere)

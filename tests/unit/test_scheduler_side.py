@@ -117,6 +117,33 @@ def test_a_push_done_before_request_finished_is_held_back() -> None:
     assert s.request_finished(req, ([1],))[0] is False  # nothing left in flight: free now
 
 
+def test_every_rank_hears_of_a_push_in_progress_until_it_is_reported() -> None:
+    """The plan tells every worker a transfer is in progress (so a rank with none of its
+    own waits on idle steps too, instead of spinning): from the step that stages the push
+    until finished_sending reports it."""
+    s, m, req = producer_with_request(1)
+    assert not s.build_connector_meta(SchedOut({"r1": 200})).transfers_pending  # a chunk
+    req.num_computed_tokens = 200
+    assert s.build_connector_meta(SchedOut({"r1": 100})).transfers_pending  # staged
+    s.request_finished(req, ([1],))
+    assert s.build_connector_meta(SchedOut({})).transfers_pending  # held for the push
+    s.update_connector_output(ConnOut(finished_sending={"r1"}))
+    assert not s.build_connector_meta(SchedOut({})).transfers_pending
+
+
+def test_every_rank_hears_of_a_load_in_progress_until_it_is_reported() -> None:
+    s = consumer()
+    req = Req("d1", dict(D_LEG))
+    s.on_new_request(req)
+    s.get_num_new_matched_tokens(req, 0)
+    assert not s.build_connector_meta(SchedOut({})).transfers_pending  # no blocks yet
+    s.update_state_after_alloc(req, Blocks([[1, 2, 3]]), 300)
+    assert s.build_connector_meta(SchedOut({})).transfers_pending  # registration staged
+    assert s.build_connector_meta(SchedOut({})).transfers_pending  # waiting for the KV
+    s.update_connector_output(ConnOut(finished_recving={"d1"}))
+    assert not s.build_connector_meta(SchedOut({})).transfers_pending
+
+
 @dataclass(frozen=True)
 class Status:
     name: str  # vLLM's RequestStatus member
