@@ -58,6 +58,10 @@ PREFILL_ENGINE_ID, DECODE_ENGINE_ID = "prefill", "decode"
 # (scripts/gpu/README.md: the pull path's transports without tcp).
 GPU_UCX_TLS = "tcp,sm,self,cuda_copy,cuda_ipc"
 GPU_UCX_TLS_ENV = "PUSHKV_GPU_UCX_TLS"
+# UCX turns cuda_ipc's GET off on a GPU without active NVLink (two processes of one GPU too),
+# so vLLM's pull, a READ, fell back to "software emulation" over tcp/lo
+# (bench/results/gpu-20261206-h100/): on, as llm-d's deployments set it. A caller's value wins.
+GPU_IPC_GET = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 ROUTER_HEALTH_TIMEOUT_S = 5.0  # overridable: router_args come later and argparse keeps the last
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -335,6 +339,7 @@ class PdStack(StartStop):
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
             env["UCX_TLS"] = os.environ.get(GPU_UCX_TLS_ENV) or GPU_UCX_TLS
+            env[GPU_IPC_GET] = os.environ.get(GPU_IPC_GET) or "on"
         if spec.nixl_side_channel_env:
             env |= {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

@@ -14,6 +14,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 NCCL_NVLS_E
 # NIXL over UCX on this machine only; VRAM through cuda_copy/cuda_ipc. A caller's UCX_TLS wins
 # (the pull diagnosis runs without tcp).
 export UCX_TLS=${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc} UCX_NET_DEVICES=lo
+# cuda_ipc's GET stays off on a GPU without active NVLink unless asked (connector/tools/pdstack.py
+# GPU_IPC_GET): vLLM's pull READ was emulated over tcp/lo without it.
+export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=${UCX_CUDA_IPC_ENABLE_GET_ZCOPY:-on}
 # `pushkv` and `vllm` as commands (the checkout is not pip-installed there).
 mkdir -p "$DEST/bin"
 printf '#!/bin/sh\nexec python3 -m connector.cli "$@"\n' > "$DEST/bin/pushkv"

@@ -3,7 +3,8 @@
 # processes of the one GPU. (1) pushkv's transport bench (WRITE) with UCX's protocol report;
 # (2) vLLM's NixlConnector (a READ from D) at 4096 tokens, where UCX chose "software
 # emulation" over tcp/lo (bench/results/gpu-20261206-h100/pull), with UCX's log at
-# PULL_UCX_LOG (info). tcp stays in UCX_TLS: without it NIXL's UCX backend fails at start on this
+# PULL_UCX_LOG (info); the stack turns cuda_ipc's GET on (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on,
+# set it to auto to see UCX's default). tcp stays in UCX_TLS: without it NIXL's UCX backend fails at start on this
 # machine (bench/results/gpu-20261206b-h100). UCX's choices come back under $OUT/ucx-*.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

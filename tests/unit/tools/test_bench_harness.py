@@ -15,7 +15,7 @@ from connector.config import parse_config
 from connector.tools import vllm_router
 from connector.tools.bench.stacks import CONFIGS, make_stack, require_fronts
 from connector.tools.bench.vllm_bench import Workload, bench_command
-from connector.tools.pdstack import GPU_UCX_TLS, GPU_UCX_TLS_ENV, PdStack, cpu_set
+from connector.tools.pdstack import GPU_IPC_GET, GPU_UCX_TLS, GPU_UCX_TLS_ENV, PdStack, cpu_set
 from connector.tools.stack import ServerError, VllmServer
 
 
@@ -214,11 +214,17 @@ def test_module_path_override_reaches_both_servers(name: str, tmp_path: Path) ->
 def test_a_gpu_stack_gives_ucx_the_cuda_transports_unless_told_otherwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU host each server gets UCX's CUDA transports; PUSHKV_GPU_UCX_TLS replaces the
-    list (the GPU sweep's pull diagnosis: without tcp, UCX may not emulate VRAM reads over it)."""
+    """On a GPU host each server gets UCX's CUDA transports, cuda_ipc's GET included;
+    PUSHKV_GPU_UCX_TLS replaces the list (the GPU sweep's pull diagnosis)."""
     monkeypatch.delenv(GPU_UCX_TLS_ENV, raising=False)
+    monkeypatch.delenv(GPU_IPC_GET, raising=False)
     stack = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "a", gpus=("0", "0"))
     assert stack.decode.env["UCX_TLS"] == GPU_UCX_TLS
+    # cuda_ipc's GET on for the pull's READ, unless the caller says otherwise
+    assert stack.decode.env[GPU_IPC_GET] == stack.prefill.env[GPU_IPC_GET] == "on"
+    monkeypatch.setenv(GPU_IPC_GET, "auto")
+    stack = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "c", gpus=("0", "0"))
+    assert stack.decode.env[GPU_IPC_GET] == "auto"
     monkeypatch.setenv(GPU_UCX_TLS_ENV, "sm,self,cuda_copy,cuda_ipc")
     stack = make_stack(CONFIGS["vllm-pull"], tmp_path / "m", tmp_path / "b", gpus=("0", "0"))
     assert stack.prefill.env["UCX_TLS"] == "sm,self,cuda_copy,cuda_ipc"
