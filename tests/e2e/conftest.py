@@ -104,6 +104,23 @@ class Pd:
     decode: httpx.Client
 
 
+@contextlib.contextmanager
+def pd_clients(stack: PdStack, router_headers: Mapping[str, str] | None = None) -> Iterator[Pd]:
+    """One client per entry point of a started ``stack`` (``router_headers`` on the
+    router's, e.g. an API key), closed on leaving."""
+    with (
+        httpx.Client(
+            base_url=stack.url,
+            timeout=HTTP_TIMEOUT_S,
+            trust_env=False,
+            headers=dict(router_headers or {}),
+        ) as r,
+        httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as p,
+        httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d,
+    ):
+        yield Pd(stack, r, p, d)
+
+
 def _warm_up(client: httpx.Client, **extra: object) -> None:
     # The first request with logprobs on a fresh server takes 2-20 s.
     body = {
@@ -152,17 +169,13 @@ def running_pd(
     try:
         stack.start(start_timeout_s)
         print(f"\n[pd] push stack healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
-        with (
-            httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,
-            httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as p,
-            httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d,
-        ):
+        with pd_clients(stack) as clients:
             t0 = time.monotonic()
-            _warm_up(p)
-            _warm_up(d, cache_salt=uuid.uuid4().hex)
-            _warm_up(r)
+            _warm_up(clients.prefill)
+            _warm_up(clients.decode, cache_salt=uuid.uuid4().hex)
+            _warm_up(clients.router)
             print(f"[pd] warm-up (P, D, router) took {time.monotonic() - t0:.1f} s")
-            yield Pd(stack, r, p, d)
+            yield clients
     finally:
         stack.stop()
 

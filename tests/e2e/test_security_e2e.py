@@ -32,7 +32,7 @@ import pytest
 from connector.tools.pdstack import PdStack
 from connector.tools.stack import VllmServer, free_port
 from connector.transport.sidechannel_wire import KIND_EXCHANGE, encode_frame
-from tests.e2e.conftest import HTTP_TIMEOUT_S, START_TIMEOUT_S, Pd
+from tests.e2e.conftest import HTTP_TIMEOUT_S, START_TIMEOUT_S, Pd, pd_clients
 from tests.e2e.greedy import assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import (
     decode_leg,
@@ -153,17 +153,8 @@ def sealed(
     )
     try:
         stack.start(START_TIMEOUT_S)
-        with (
-            httpx.Client(
-                base_url=stack.url,
-                timeout=HTTP_TIMEOUT_S,
-                trust_env=False,
-                headers={"Authorization": f"Bearer {API_KEY}"},
-            ) as r,
-            httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as p,
-            httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d,
-        ):
-            yield Pd(stack, r, p, d)
+        with pd_clients(stack, {"Authorization": f"Bearer {API_KEY}"}) as clients:
+            yield clients
     finally:
         stack.stop()
 

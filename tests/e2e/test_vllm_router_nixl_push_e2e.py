@@ -14,15 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from connector.tools.bench.stacks import CONFIGS, make_stack
 from connector.tools.vllm_router import vllm_router_installed
-from tests.e2e.conftest import START_TIMEOUT_S, Pd
+from tests.e2e.conftest import START_TIMEOUT_S, Pd, pd_clients
 from tests.e2e.greedy import assert_matches_reference
 from tests.e2e.test_push_e2e import reference
-from tests.e2e.test_vllm_router_e2e import HTTP_TIMEOUT_S, cold_then_concurrent
+from tests.e2e.test_vllm_router_e2e import cold_then_concurrent
 
 pytestmark = [
     pytest.mark.e2e,
@@ -42,12 +41,8 @@ def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
     try:
         stack.start(START_TIMEOUT_S)
         print(f"\n[{CONFIG}] healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
-        with (
-            httpx.Client(base_url=stack.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as r,
-            httpx.Client(base_url=stack.prefill.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as p,
-            httpx.Client(base_url=stack.decode.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as d,
-        ):
-            yield Pd(stack, r, p, d)
+        with pd_clients(stack) as clients:
+            yield clients
     finally:
         stack.stop()
 
