@@ -32,7 +32,9 @@ def default_tune(row_words: int) -> Tune:
     return Tune()
 
 
-@triton.jit
+# Not specialised on the values that change per transfer (Triton would compile a variant for
+# a row count of 1 or a multiple of 16, and for a zero dense offset): one compile per geometry.
+@triton.jit(do_not_specialize=["s_dense", "d_dense", "n_rows"])
 def _copy_rows(
     anchor,
     s_off,

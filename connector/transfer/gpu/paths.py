@@ -36,7 +36,7 @@ from connector.core.layout import KVLayout
 from connector.core.xfer_path import Locality, PathChoice, PathModel, XferPath, choose_path
 from connector.transfer.gpu.ipc import IpcExport, IpcPush, export_rows, import_rows
 from connector.transfer.gpu.lanes import Lane, Mark
-from connector.transfer.gpu.rows import Backend, RowTable
+from connector.transfer.gpu.rows import Backend, RowTable, copy_rows
 from connector.transport.base import Transport
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,19 @@ class GpuPaths:
             for i, r in enumerate(regions)
         )
         self.refused: dict[str, str] = {}  # agent -> why its offer was not taken (logs, tests)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the copy kernel now, not on the first request's WRITE: on a fresh GPU
+        machine Triton's compile made P's first IPC WRITEs take 270-560 ms instead of ~2
+        (bench/results/gpu-20261206-h100/README.md). Block 0 onto itself: the same bytes,
+        the same kernel variant as a WRITE into a D of this geometry."""
+        if self.mode == "direct":
+            return
+        zero = torch.zeros(1, dtype=torch.int64, device=self.rows.device)
+        with self._lane.active():
+            copy_rows(self.rows, zero, self.rows, zero, backend=self.backend)
+        self._lane.synchronize()
 
     # ------------------------------------------------------------------ offers
     def offered(self, agent: str, offer: m.IpcOffer) -> None:

@@ -333,3 +333,30 @@ def test_an_ipc_write_carries_a_digest_that_d_checks_and_a_flipped_byte_fails(
             assert pair.receiver.counters.of(Count.KV_CHECK, "mismatch") == 1
         else:
             assert got.ok and pair.receiver.counters.of(Count.KV_CHECK, "ok") == 1
+
+
+@pytest.mark.parametrize("mode", ["ipc", "auto", "direct"])
+def test_the_copy_kernel_is_compiled_at_start_up_on_ps_own_block_0(
+    mode: Mode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not on the first request's WRITE; a no-op on P's KV, and nothing where no copy runs."""
+    from connector.transfer.gpu import paths as paths_mod
+
+    calls: list[tuple[Any, ...]] = []
+    real = paths_mod.copy_rows
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(paths_mod, "copy_rows", spy)
+    pair = GpuPair(mode)
+    before = pair.p_raw.clone()
+    paths = GpuPaths(pair.tp, pair.paths.layout, pair.paths.rows, mode=mode)
+    assert torch.equal(pair.p_raw, before)
+    if mode == "direct":
+        assert calls == []
+        return
+    (src, src_ids, dst, dst_ids) = calls[-1]
+    assert src is dst is paths.rows
+    assert src_ids.tolist() == dst_ids.tolist() == [0]
