@@ -4,16 +4,21 @@ brought there): the tiny models' local tokenizer and config writer
 with the same scales, so that greedy output depends on the whole prompt.
 
     python -m bench.gpu_model llama8b /tmp/models      # prints the model's directory
+    python -m bench.gpu_model dsv3-tp8 /tmp/models     # DeepSeek-V3's MLA KV, one TP-8 rank
 
 Models (``GPU_MODELS``): ``llama8b`` is Llama-3.1-8B's geometry (32 layers, 32 query and 8 KV
-heads of 128, MLP 14336: 128 KiB of KV per token, 16 GB of weights); ``qwen32b-tp8`` is one
-TP-8 rank of Qwen3-32B as the KV sees it (64 layers, 8 query heads and 1 KV head of 128,
-hidden 5120, MLP 25600/8: 32 KiB per token) in Llama form. The tokenizer has 4096 tokens.
+heads of 128, MLP 14336: 128 KiB of KV per token, 14 GB of weights with this vocabulary);
+``qwen32b-tp8`` is one TP-8 rank of Qwen3-32B as the KV sees it (64 layers, 8 query heads and
+1 KV head of 128, hidden 5120, MLP 25600/8: 32 KiB per token) in Llama form; ``dsv3-tp8`` is
+one TP-8 rank of DeepSeek-V3 (``DeepseekV3ForCausalLM``: MLA with its latent of 512 + 64 in
+61 layers, 70,272 bytes of KV per token, 16 of its 128 heads, its router and yarn rope,
+experts shrunk to 32 of width 32: 7.5 GB of weights). The tokenizer has 4096 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,48 @@ GPU_MODELS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "max_position_embeddings": 32768,
         "rope_theta": 1000000.0,
+    },
+    # The KV (latent), attention and dense layers are DeepSeek-V3's, per TP-8 rank where vLLM
+    # splits them (heads, dense MLP 18432/8); the MoE keeps its router (8 experts from 4 of 8
+    # groups, sigmoid scores with a bias, 2.5x) but has 32 experts of width 32 instead of 256
+    # of 2048 (256 per rank), so the weights fit beside a second server on one GPU.
+    "dsv3-tp8": {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "intermediate_size": 2304,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 32,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 0,  # no MTP layer (vLLM uses one only for speculation)
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     },
 }
 
@@ -81,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t0 = time.monotonic()
     out = make_gpu_model(args.model, args.root, args.seed)
-    kib = kv_bytes_per_token(GPU_MODELS[args.model]) / 1024
-    print(f"# {args.model}: {kib:.0f} KiB of KV per token, ready in {time.monotonic() - t0:.1f} s")
+    arch = GPU_MODELS[args.model]
+    kv = kv_bytes_per_token(arch)
+    gb = sum(math.prod(shape) for _, shape, _, _ in weight_specs(arch)) * 2 / 1e9
+    print(
+        f"# {args.model}: {kv} B ({kv / 1024:.1f} KiB) of KV per token, {gb:.2f} GB of "
+        f"weights, ready in {time.monotonic() - t0:.1f} s"
+    )
     print(out)
     return 0
 

@@ -1,9 +1,12 @@
 """The tiny models that are not plain Llama: a DeepSeek-V2-style MLA + MoE model (``tiny-mla``).
 
-Owns: its config and weight names (HF DeepSeek-V2 naming, which vLLM's
-``DeepseekV2ForCausalLM`` loads). ``connector.tools.tinymodel`` owns the tokenizer, the cache
-and the writing, and calls these for an arch whose ``model_type`` is ``deepseek_v2``. (The
-sliding-window model ``tiny-swa`` is a Llama with ``layer_types``: no code of its own.)
+Owns: its config and weight names (HF DeepSeek-V2/V3 naming, which vLLM's
+``DeepseekV2ForCausalLM`` and ``DeepseekV3ForCausalLM`` load). ``connector.tools.tinymodel``
+owns the tokenizer, the cache and the writing, and calls these for an arch whose
+``model_type`` is ``deepseek_v2`` or ``deepseek_v3``; an arch may carry DeepSeek-V3's parts
+(``q_lora_rank``, the ``noaux_tc`` router with its score bias, a ``rope_scaling``), as
+bench/gpu_model.py's ``dsv3-tp8`` does. (The sliding-window model ``tiny-swa`` is a Llama with
+``layer_types``: no code of its own.)
 
 Geometry: vLLM's CPU MLA decode kernel compiles only for a latent of 576 (kv_lora_rank 512 +
 qk_rope_head_dim 64) and blocks of 16 tokens (vllm/v1/attention/backends/mla/cpu_mla.py), so
@@ -40,11 +43,22 @@ ARCH_MLA: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 
+# DeepSeek-V2's router (softmax scores, greedy top-k), for an arch that names none.
+ROUTER_V2: dict[str, Any] = {
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "routed_scaling_factor": 1.0,
+}
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
 WeightSpec = tuple[str, tuple[int, ...], float | None, int]
 
 
 def is_mla(arch: dict[str, Any]) -> bool:
-    return arch.get("model_type") == "deepseek_v2"
+    return arch.get("model_type") in ARCHITECTURES
 
 
 def mla_latent_width(arch: dict[str, Any]) -> int:
@@ -53,17 +67,19 @@ def mla_latent_width(arch: dict[str, Any]) -> int:
 
 
 def deepseek_config(arch: dict[str, Any], ids: dict[str, int], vocab: int) -> dict[str, Any]:
+    """The config.json; the arch's router settings win over ``ROUTER_V2``, its
+    ``rope_scaling`` (HF's keys, e.g. DeepSeek-V3's yarn) goes into ``rope_parameters``."""
+    scaling = arch.get("rope_scaling")
     return {
+        **ROUTER_V2,
         **arch,
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": arch["rope_theta"]},
+        "architectures": [ARCHITECTURES[arch["model_type"]]],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": arch["rope_theta"],
+            **(scaling or {}),
+        },
         "rope_scaling": None,
-        "topk_method": "greedy",
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": False,
-        "scoring_func": "softmax",
-        "routed_scaling_factor": 1.0,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -80,19 +96,29 @@ def deepseek_config(arch: dict[str, Any], ids: dict[str, int], vocab: int) -> di
 def deepseek_weight_specs(
     arch: dict[str, Any], scales: dict[str, float], vocab: int
 ) -> list[WeightSpec]:
-    """Every weight in HF DeepSeek-V2 naming, in the order drawn (as ``tinymodel.weight_specs``):
-    q and the latent's up-projection get the Llama model's q/k scales, so attention is as
-    selective; the router and experts the MLP's."""
+    """Every weight in HF DeepSeek-V2/V3 naming, in the order drawn (as
+    ``tinymodel.weight_specs``): q (both halves of a low-rank q) and the latent's
+    up-projection get the Llama model's q/k scales, so attention is as selective; the router
+    and experts the MLP's."""
     h, heads = arch["hidden_size"], arch["num_attention_heads"]
     lora, rope = arch["kv_lora_rank"], arch["qk_rope_head_dim"]
     nope, vdim = arch["qk_nope_head_dim"], arch["v_head_dim"]
+    q_rank, q_out = arch.get("q_lora_rank"), heads * (nope + rope)
     specs: list[WeightSpec] = [("model.embed_tokens.weight", (vocab, h), scales["embed"], 1)]
     for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        if q_rank is None:
+            q: list[WeightSpec] = [(a + "q_proj.weight", (q_out, h), scales["q"], h)]
+        else:
+            q = [
+                (a + "q_a_proj.weight", (q_rank, h), scales["q"], h),
+                (a + "q_a_layernorm.weight", (q_rank,), None, 1),
+                (a + "q_b_proj.weight", (q_out, q_rank), scales["q"], q_rank),
+            ]
         specs += [
             (p + "input_layernorm.weight", (h,), None, 1),
-            (a + "q_proj.weight", (heads * (nope + rope), h), scales["q"], h),
+            *q,
             (a + "kv_a_proj_with_mqa.weight", (lora + rope, h), scales["k"], h),
             (a + "kv_a_layernorm.weight", (lora,), None, 1),
             (a + "kv_b_proj.weight", (heads * (nope + vdim), lora), scales["k"], lora),
@@ -104,6 +130,12 @@ def deepseek_weight_specs(
             continue
         ffn = arch["moe_intermediate_size"]
         specs.append((p + "mlp.gate.weight", (arch["n_routed_experts"], h), scales["gate"], h))
+        if arch.get("topk_method") == "noaux_tc":
+            # The bias V3's router adds to the scores to choose experts; the same for every
+            # expert (ones), so the scores alone choose.
+            specs.append(
+                (p + "mlp.gate.e_score_correction_bias", (arch["n_routed_experts"],), None, 1)
+            )
         for e in range(arch["n_routed_experts"]):
             specs += _mlp(f"{p}mlp.experts.{e}.", h, ffn, scales)
         specs += _mlp(p + "mlp.shared_experts.", h, ffn * arch["n_shared_experts"], scales)

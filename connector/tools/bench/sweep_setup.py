@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.tools.bench.sweep_points import SweepPlan
+from connector.tools.tinyfamilies import is_mla
 from connector.tools.tinymodel import MODELS, kv_bytes_per_token, make_tiny_model
 
 WARMUP_PROMPTS = 4
@@ -87,6 +88,8 @@ def server_args(
 
 def _kv_per_token(config: dict[str, Any], dtype_bytes: int = 2) -> int:
     try:
+        if is_mla(config):  # one latent per layer, whatever the heads
+            return kv_bytes_per_token(config, dtype_bytes)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         return kv_bytes_per_token(
             {

@@ -373,6 +373,24 @@ def test_dtype_auto_is_float32_only_on_a_cpu_without_native_bf16(
     assert fp32[fp32.index("--dtype") + 1] == "float32"
 
 
+def test_an_mla_models_kv_cache_is_sized_by_its_latent() -> None:
+    """DeepSeek-V3 caches one latent of 576 per layer, not K and V of its 16 heads: sized as
+    heads, a TP-8 rank's KV for 16 requests of 2144 tokens would be 60 GB, not 2.4 GB."""
+    plan = sweep_args.make_plan(sweep_args.parse_args(["--lengths", "2048"]))
+    config = {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "hidden_size": 7168,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+    }
+    args = sweep_setup.server_args(plan, config, None)
+    kv = int(args[args.index("--kv-cache-memory-bytes") + 1])
+    assert kv == 61 * 576 * 2 * plan.max_model_len() * sweep_setup.KV_ROOM_REQUESTS
+
+
 def test_rounds_pair_each_traced_configuration_with_its_twin_round_by_round(
     tmp_path: Path,
 ) -> None:
