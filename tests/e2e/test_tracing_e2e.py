@@ -18,13 +18,20 @@ import secrets
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from connector.tools.bench import fidelity
-from connector.tools.bench.vllm_bench import Workload, bench_command, run_bench_serve
+from connector.tools.bench.client_zygote import ClientZygote
+from connector.tools.bench.vllm_bench import (
+    Workload,
+    bench_command,
+    client_zygote,
+    run_bench_serve,
+)
 from connector.tools.stack import free_port
 from connector.tools.tinymodel import ARCH, kv_bytes_per_token
 from telemetry.otlp_json import attributes as otlp_attributes
@@ -356,9 +363,22 @@ def test_spans_are_written_when_the_stack_stops_right_after(pd: Pd) -> None:
 FIDELITY = Budget("requests_not_accounted_share", 0.051, slack=6.0, unit="%")
 
 
+@pytest.fixture
+def zygote(tmp_path: Path) -> Iterator[ClientZygote]:
+    """Each ``vllm bench serve`` run of a test forked from one process that imported vLLM
+    once (a run after the first skips the import)."""
+    with client_zygote(tmp_path / "bench-client.log") as z:
+        yield z
+
+
 @pytest.mark.parametrize("bound", BOUNDS)
 def test_traces_account_for_the_client_ttft_under_load(
-    pd: Pd, tiny_model: Path, tmp_path: Path, bound: str, record_property: RecordProperty
+    pd: Pd,
+    tiny_model: Path,
+    tmp_path: Path,
+    bound: str,
+    record_property: RecordProperty,
+    zygote: ClientZygote,
 ) -> None:
     """``vllm bench serve`` through the router (the client the issue measured with), its
     per-request TTFTs matched to the router's root spans by request id. Every request is
@@ -388,7 +408,8 @@ def test_traces_account_for_the_client_ttft_under_load(
             result,
             request_id_prefix=prefix,
         )
-        failure = run_bench_serve(cmd, tmp_path / f"c{conc}.log", workload.limit_s(prompts))
+        limit_s = workload.limit_s(prompts)
+        failure = run_bench_serve(cmd, tmp_path / f"c{conc}.log", limit_s, zygote)
         assert failure is None, failure.reason
         bench = json.loads(result.read_text())
         client = fidelity.client_ttfts_ms(bench, prefix)

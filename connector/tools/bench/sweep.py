@@ -2,7 +2,8 @@
 one plain vLLM instance as the ideal: the study's figures for this machine.
 
 Owns the command: its run folder (``runs/sweep-<timestamp>/``: ``sweep.log``, ``sweep.json``,
-``report.md``, the figures, and per configuration ``<config>/`` with its servers' logs and
+``report.md``, the figures, ``bench-client.log`` (the process every ``vllm bench serve`` run
+is forked from: ``client_zygote``), and per configuration ``<config>/`` with its servers' logs and
 trace files, one ``<point>.json`` per point, ``vllm bench serve``'s own ``<point>.bench.json``
 and log, and ``<point>/`` holding that point's traces), its console, resuming (a point whose
 results file says ok is skipped: ``sweep_points.is_done``), ``--rerender`` and
@@ -38,7 +39,9 @@ from connector.tools.bench.sweep_args import (
 )
 from connector.tools.bench.sweep_run import STACK_START_ESTIMATE_S, estimate_minutes
 from connector.tools.bench.sweep_setup import Log, Setup, resolve_dtype, resolve_model, server_args
-from connector.tools.bench.vllm_bench import git_commit
+from connector.tools.bench.vllm_bench import client_zygote, git_commit
+
+CLIENT_LOG = "bench-client.log"
 
 
 @contextlib.contextmanager
@@ -129,6 +132,7 @@ def main(argv: Sequence[str]) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (args.run_dir or Path("runs") / f"sweep-{stamp}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    zygote = client_zygote(run_dir / CLIENT_LOG)  # started by the with below
     setup = Setup(
         plan,
         model,
@@ -143,6 +147,7 @@ def main(argv: Sequence[str]) -> int:
         sweep_run.now() + args.max_minutes * 60.0,
         args.warmup if args.warmup is not None else not args.smoke,
         None if args.gpus is None else (args.gpus[0], args.gpus[1]),
+        zygote,
     )
     meta = _meta(argv, setup, configs)
     todo = {
@@ -150,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
     }
     total = sum(len(v) for v in todo.values())
     records: list[dict[str, Any]] | None = None
-    with _console(run_dir, total) as (log, advance):
+    with zygote if total else contextlib.nullcontext(), _console(run_dir, total) as (log, advance):
         log(
             f"sweep {run_dir}: configs {configs}; lengths {plan.lengths}; rates {plan.rates}/s; "
             f"output {plan.output_len}; model {model.name}; {total} point(s) to run "

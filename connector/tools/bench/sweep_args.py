@@ -22,8 +22,8 @@ DEFAULT_CONFIGS = (
     "vllm-pull",
     "vllm-push",
 )
-# --smoke: the 1 x 2 sweep CI runs (tests/e2e/test_sweep_smoke.py); every point costs about
-# 20 s on the 2-core machine (a `vllm bench serve` start), so one length.
+# --smoke: the 1 x 2 sweep CI runs (tests/e2e/test_sweep_smoke.py); one length, for CI's time
+# (two rates: the test checks that each point's traces are its own).
 SMOKE_LENGTHS: tuple[int, ...] = (256,)
 SMOKE_RATES: tuple[float, ...] = (2.0, 4.0)
 SMOKE_CONFIGS: tuple[str, ...] = (SINGLE, "push")

@@ -111,6 +111,7 @@ def _warm_up(setup: Setup, stack: SweepStack, cfg_dir: Path) -> RunFailure | Non
         bench_command(stack.url, setup.model, workload, 2, WARMUP_PROMPTS, WARMUP_SEED, out),
         cfg_dir / "bench-warmup.log",
         workload.limit_s(WARMUP_PROMPTS),
+        zygote=setup.zygote,
     )
     if failure is None:
         done = json.loads(out.read_text()).get("completed", 0) if out.is_file() else 0
@@ -147,6 +148,7 @@ def run_point(
         ),
         cfg_dir / f"{point.name}.log",
         limit_s,
+        zygote=setup.zygote,
     )
     wall = time.monotonic() - t0
     if failure is not None and failure.hung and budget_cut:

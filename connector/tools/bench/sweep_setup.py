@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from connector.tools.bench.client_zygote import ClientZygote
 from connector.tools.bench.sweep_points import SweepPlan
 from connector.tools.tinyfamilies import is_mla
 from connector.tools.tinymodel import MODELS, kv_bytes_per_token, make_tiny_model
@@ -33,6 +34,7 @@ class Setup:
     deadline: float  # sweep_run.now() by which the sweep ends
     warmup: bool = True
     gpus: tuple[str, str] | None = None  # P's and D's CUDA_VISIBLE_DEVICES (single: P's)
+    zygote: ClientZygote | None = None  # forks each vllm bench serve (None: a fresh process)
 
 
 def resolve_model(name: str) -> tuple[Path, dict[str, Any]]:

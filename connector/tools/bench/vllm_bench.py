@@ -21,13 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from connector.tools.bench.client_zygote import CLIENT_PRIORITY, SCHED_CLASS, ClientZygote
 from connector.tools.pdstack import metric_sum
 from connector.tools.stack import stop_process_group, tail_lines
 
-_CLASS = {
-    getattr(os, "SCHED_FIFO", -1): "SCHED_FIFO",
-    getattr(os, "SCHED_OTHER", -2): "SCHED_OTHER",
-}
 SOURCE_METRIC = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
 
@@ -153,7 +150,10 @@ class RunFailure:
     hung: bool = False
 
 
-CLIENT_PRIORITY = 10  # SCHED_FIFO priority of the load generator, where allowed
+def client_zygote(log_path: Path) -> ClientZygote:
+    """What ``run_bench_serve`` runs its command lines in when given one: forks of a process
+    that imported vLLM once (its own log at ``log_path``), instead of a fresh process each."""
+    return ClientZygote(log_path, bench_env())
 
 
 def _prioritized() -> None:
@@ -164,13 +164,18 @@ def _prioritized() -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(CLIENT_PRIORITY))
 
 
-def run_bench_serve(cmd: Sequence[str], log_path: Path, limit_s: float) -> RunFailure | None:
-    """Run ``cmd`` in its own session, output to ``log_path``; None on success, else why
-    not (exit code, or still running at ``limit_s`` and then killed by process group)."""
+def run_bench_serve(
+    cmd: Sequence[str], log_path: Path, limit_s: float, zygote: ClientZygote | None = None
+) -> RunFailure | None:
+    """Run ``cmd`` in its own session (or in a fork of ``zygote``), output to ``log_path``;
+    None on success, else why not (exit code, or still running at ``limit_s`` and then killed
+    by process group)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
+    if zygote is not None and zygote.accepts(cmd):
+        return _failure(zygote.run(cmd, log_path, limit_s), log_path, limit_s)
+    with log_path.open("ab") as log:
         proc = subprocess.Popen(
             list(cmd),
             env=bench_env(),
@@ -184,18 +189,26 @@ def run_bench_serve(cmd: Sequence[str], log_path: Path, limit_s: float) -> RunFa
         if hasattr(os, "sched_getscheduler"):
             with contextlib.suppress(OSError):  # it may have exited already
                 policy = os.sched_getscheduler(proc.pid)
-                log.write(f"# client scheduling class: {_CLASS.get(policy, policy)}\n".encode())
+                name = SCHED_CLASS.get(policy, policy)
+                log.write(f"# client scheduling class: {name}\n".encode())
                 log.flush()
         try:
-            rc = proc.wait(timeout=limit_s)
+            rc: int | None = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             stop_process_group(proc, 10.0)
-            return RunFailure(
-                f"vllm bench serve hung: still running after {limit_s:.0f} s, killed", hung=True
-            )
+            rc = None
         except BaseException:
             stop_process_group(proc, 10.0)
             raise
+    return _failure(rc, log_path, limit_s)
+
+
+def _failure(rc: int | None, log_path: Path, limit_s: float) -> RunFailure | None:
+    """What a run's exit status says (None: killed at ``limit_s``)."""
+    if rc is None:
+        return RunFailure(
+            f"vllm bench serve hung: still running after {limit_s:.0f} s, killed", hung=True
+        )
     if rc != 0:
         last = tail_lines(log_path, 3).strip().splitlines()
         return RunFailure(f"vllm bench serve exited {rc}: {last[-1] if last else ''}")

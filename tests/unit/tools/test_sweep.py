@@ -183,7 +183,7 @@ def test_the_sweep_stops_starting_points_at_its_time_bound(
 def test_a_run_killed_at_the_sweeps_time_budget_is_cut_not_hung(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget_cut: bool
 ) -> None:
-    def killed(cmd: Any, log_path: Path, limit_s: float) -> RunFailure:
+    def killed(cmd: Any, log_path: Path, limit_s: float, zygote: Any = None) -> RunFailure:
         return RunFailure(f"vllm bench serve hung: still running after {limit_s:.0f} s", True)
 
     monkeypatch.setattr(sweep_run, "run_bench_serve", killed)
