@@ -237,6 +237,19 @@ def check_failure_policy(cfg: PushkvConfig, kv_load_failure_policy: str, consume
         )
 
 
+def check_parallelism(pp_size: int, consumer: bool) -> None:
+    """Pipeline stages on P are pushed (each stage writes its layers); on D pushkv has no
+    way to take them: D's ranks would each wait for every layer while holding only their
+    stage's (vLLM's own NixlPushConnector refuses a PP consumer too)."""
+    if consumer and pp_size > 1:
+        raise ConfigError(
+            f"pushkv does not support pipeline parallelism on D (kv_consumer or kv_both; "
+            f"--pipeline-parallel-size {pp_size}): start D with --pipeline-parallel-size 1 "
+            "(--tensor-parallel-size or more D instances for capacity); P may run pipeline "
+            "stages"
+        )
+
+
 def load_secret(cfg: PushkvConfig) -> bytes | None:
     """The P/D plane's shared secret from the one place the config names, or None."""
     given = [k for k in ("auth_secret_file", "auth_secret_env", "auth_secret") if getattr(cfg, k)]

@@ -84,7 +84,9 @@ class DecodeLeg(Leg, frozen=True, kw_only=True):
     transfer_id: TransferId
     remote_engine_id: Name
     remote_host: Host
-    remote_port: Port  # rank r of P listens on remote_ports[r], or remote_port + r
+    # P's worker r (its source rank: stage * remote_tp_size + TP rank) listens on
+    # remote_ports[r], or remote_port + r
+    remote_port: Port
     remote_tp_size: TpSize = 1
     traceparent: Traceparent | None | UnsetType = UNSET
     remote_ports: Annotated[tuple[Port, ...], msgspec.Meta(max_length=4096)] | UnsetType = UNSET
@@ -95,10 +97,21 @@ class DecodeLeg(Leg, frozen=True, kw_only=True):
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=1)] | None | UnsetType = UNSET
     # The router's signature over the coordinates and transfer_id (``sign_decode_leg``).
     pushkv_sig: Annotated[str, msgspec.Meta(max_length=128)] | UnsetType = UNSET
+    # P's pipeline stages (unset: 1); D waits for each writing TP rank of each stage.
+    remote_pp_size: TpSize | UnsetType = UNSET
+
+    @property
+    def p_stages(self) -> int:
+        return 1 if isinstance(self.remote_pp_size, UnsetType) else self.remote_pp_size
+
+    @property
+    def p_workers(self) -> int:
+        """P's workers: one per TP rank per pipeline stage."""
+        return self.remote_tp_size * self.p_stages
 
     @property
     def ports(self) -> tuple[int, ...]:
-        """Each P rank's listener when P reported them; empty: ``remote_port + r``."""
+        """Each P worker's listener when P reported them; empty: ``remote_port + r``."""
         return self.remote_ports or ()
 
     @property
@@ -120,18 +133,17 @@ class DecodeLeg(Leg, frozen=True, kw_only=True):
         return _trace(self.traceparent, self.tracestate)
 
     def validate(self) -> None:
-        if self.ports and len(self.ports) != self.remote_tp_size:
-            raise KvParamsError(
-                f"remote_ports has {len(self.ports)} entries for "
-                f"remote_tp_size {self.remote_tp_size}"
-            )
-        if self.agents and len(self.agents) != self.remote_tp_size:
-            raise KvParamsError(
-                f"remote_agents has {len(self.agents)} entries for "
-                f"remote_tp_size {self.remote_tp_size}"
-            )
-        if not self.ports and self.remote_port + self.remote_tp_size - 1 > 65535:
-            raise KvParamsError("remote_port + remote_tp_size runs past port 65535")
+        n, what = self.p_workers, f"remote_tp_size {self.remote_tp_size}"
+        if self.p_stages > 1:
+            what += f" x remote_pp_size {self.p_stages}"
+        if self.ports and len(self.ports) != n:
+            raise KvParamsError(f"remote_ports has {len(self.ports)} entries for {what}")
+        if self.agents and len(self.agents) != n:
+            raise KvParamsError(f"remote_agents has {len(self.agents)} entries for {what}")
+        if self.p_workers > 4096:
+            raise KvParamsError(f"{what} names more than 4096 P workers")
+        if not self.ports and self.remote_port + n - 1 > 65535:
+            raise KvParamsError(f"remote_port + {what} runs past port 65535")
 
 
 def _trace(traceparent: str | None | UnsetType, tracestate: str | UnsetType) -> TraceContext | None:
@@ -146,18 +158,20 @@ class UntrustedLeg(KvParamsError):
 
 
 def _coords_payload(leg: DecodeLeg) -> bytes:
-    # Everything that decides whom D dials, and the transfer it is for.
-    return msgspec.json.encode(
-        [
-            leg.transfer_id,
-            leg.remote_engine_id,
-            leg.remote_host,
-            leg.remote_port,
-            leg.remote_tp_size,
-            leg.ports,
-            leg.agents,
-        ]
-    )
+    # Everything that decides whom D dials, and the transfer it is for (P's stages only
+    # where it has several: a signature over a PP 1 leg is what it always was).
+    fields: list[Any] = [
+        leg.transfer_id,
+        leg.remote_engine_id,
+        leg.remote_host,
+        leg.remote_port,
+        leg.remote_tp_size,
+        leg.ports,
+        leg.agents,
+    ]
+    if leg.p_stages > 1:
+        fields.append(leg.p_stages)
+    return msgspec.json.encode(fields)
 
 
 def sign_decode_leg(leg: DecodeLeg, key: bytes, now_ms: int, ttl_ms: int) -> DecodeLeg:
@@ -206,7 +220,7 @@ class LegTrust:
     def _allowlisted(self, leg: DecodeLeg) -> bool:
         if leg.remote_host in self.allowed:
             return True
-        ports = {leg.port_of(r) for r in range(leg.remote_tp_size)}
+        ports = {leg.port_of(r) for r in range(leg.p_workers)}
         return all(f"{leg.remote_host}:{p}" in self.allowed for p in ports)
 
 
@@ -256,8 +270,10 @@ class ProbeLeg(Leg, frozen=True, kw_only=True):
 class Coordinates(msgspec.Struct, frozen=True, omit_defaults=True):
     """Where a D engine finds one P engine's KV: what P returns to the router's probe (in
     its response's ``kv_transfer_params["pushkv"]``) and what the router puts in D's leg.
-    ``ports`` / ``agents`` name each P rank's listener and transport agent when P reports
-    them; empty means rank r listens on ``port + r`` under the default agent name."""
+    ``ports`` / ``agents`` name each P worker's listener and transport agent when P reports
+    them (worker r: pipeline stage r // tp_size, TP rank r % tp_size); empty means worker r
+    listens on ``port + r`` under the default agent name. ``pp_size``: P's pipeline stages
+    (left out at 1)."""
 
     engine_id: Name
     host: Host
@@ -265,15 +281,18 @@ class Coordinates(msgspec.Struct, frozen=True, omit_defaults=True):
     tp_size: TpSize
     ports: Annotated[tuple[Port, ...], msgspec.Meta(max_length=4096)] = ()
     agents: Annotated[tuple[Name, ...], msgspec.Meta(max_length=4096)] = ()
+    pp_size: TpSize = 1
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self)
         return out
 
     def validate(self) -> None:
+        n = self.tp_size * self.pp_size
         for name, values in (("ports", self.ports), ("agents", self.agents)):
-            if values and len(values) != self.tp_size:
-                raise KvParamsError(f"{len(values)} {name} for tp_size {self.tp_size}")
+            if values and len(values) != n:
+                stages = f" x pp_size {self.pp_size}" if self.pp_size > 1 else ""
+                raise KvParamsError(f"{len(values)} {name} for tp_size {self.tp_size}{stages}")
 
 
 class PrefillAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -1,7 +1,8 @@
 """vLLM's KV cache tensors as pushkv sees them: a ``KVLayout`` for the descriptor planner,
 block rows for the GPU paths, and the layout pushkv asks vLLM for.
 
-Owns: ``describe_kv_caches``, ``block_row_views`` and ``preferred_layout``.
+Owns: ``describe_kv_caches``, ``check_stage_layers`` (a P pipeline stage's layers),
+``block_row_views`` and ``preferred_layout``.
 vLLM 0.32 hands ``register_kv_caches`` one view per attention layer of logical shape
 [B, H, N, C] (blocks, KV heads, tokens, K|V packed per token), whose strides follow the
 resolved ``KVCacheLayout`` (``vllm/v1/kv_cache_interface.py``, ``create_kv_cache_views``):
@@ -68,12 +69,31 @@ def layer_order(kv_caches: dict[str, Any]) -> list[str]:
     return sorted(kv_caches, key=key)
 
 
+def check_stage_layers(kv_caches: dict[str, Any], first: int, end: int) -> None:
+    """A P pipeline stage's KV: one cache per decoder layer in [first, end), the stage's
+    share of the model (vLLM's split). Its regions are then numbered ``first + i``, as a D
+    at PP 1 numbers the same layers; LayoutError where a layer holds none or several (their
+    numbers would not match D's)."""
+    names = layer_order(kv_caches)
+    found = [m.group(1) for name in names if (m := _LAYER_INDEX.search(name))]
+    if len(names) != end - first or (
+        len(found) == len(names) and [int(i) for i in found] != list(range(first, end))
+    ):
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise LayoutError(
+            f"this pipeline stage runs decoder layers [{first}, {end}) but holds KV caches "
+            f"{shown}: pushkv pushes pipeline stages only where every decoder layer holds one "
+            "KV cache (run P with --pipeline-parallel-size 1)"
+        )
+
+
 def describe_kv_caches(
     kv_caches: dict[str, Any],
     group_of: dict[str, int],
     heads: tuple[int, int],
     opaque: bool | None = None,
     cache_dtype: str = "auto",
+    first_layer: int = 0,
 ) -> KVLayout:
     """vLLM's per-layer KV views, logically [blocks, heads, tokens, content], as a layout: one
     region per layer, strides read from the tensors (any layout whose content is contiguous:
@@ -88,6 +108,9 @@ def describe_kv_caches(
     ``cache_dtype`` is vLLM's ``--kv-cache-dtype`` (``cache_config.cache_dtype``): the
     layout's ``dtype`` is its name when vLLM quantizes the KV (fp8, fp8_e4m3 and fp8_e5m2
     all live in uint8 tensors), else the tensors' own dtype.
+
+    ``first_layer``: the model's number of the first layer here (a P pipeline stage's
+    first decoder layer, ``check_stage_layers``); regions are numbered from it.
     """
     if not kv_caches:
         raise LayoutError("no KV cache tensors to register")
@@ -123,7 +146,7 @@ def describe_kv_caches(
             )
         regions.append(
             Region(
-                layer=i,
+                layer=first_layer + i,
                 group=group_of.get(name, 0),
                 part=0,
                 base_addr=int(t.data_ptr()),

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import connector.vllm_compat as compat
-from connector.config import check_failure_policy, load_secret, parse_config
+from connector.config import check_failure_policy, check_parallelism, load_secret, parse_config
+from connector.core.stages import source_rank
 from connector.kv_params import LegTrust
 from connector.kv_tensors import preferred_layout
 from connector.metadata import StepPlan
@@ -121,6 +122,9 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._recompute = ktc.kv_load_failure_policy == "recompute"
         check_failure_policy(self._cfg, ktc.kv_load_failure_policy, ktc.is_kv_consumer)
+        parallel = vllm_config.parallel_config
+        self._tp_size = parallel.tensor_parallel_size
+        check_parallelism(parallel.pipeline_parallel_size, ktc.is_kv_consumer)
         self._worker: Any = None
         # A model feature pushkv cannot push stops the engine here, named (vLLM 0.26 passes
         # no kv_cache_config: describe_kv_caches refuses layers that differ instead).
@@ -140,6 +144,7 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
                 shutdown=ShutdownWatch(
                     self._cfg.shutdown_grace_s, getattr(vllm_config, "shutdown_timeout", 0) or 0
                 ),
+                pp_size=parallel.pipeline_parallel_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -159,6 +164,7 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
                 group_of=group_of,
                 cache_dtype=str(vllm_config.cache_config.cache_dtype),
                 latent=is_latent_kv(vllm_config.model_config),
+                stage=compat.pipeline_stage(vllm_config),
             )
 
     @classmethod
@@ -201,6 +207,13 @@ class PushConnector(compat.connector_base()):  # type: ignore[misc]
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         assert self._sched is not None
         self._sched.set_handshakes(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's handshake keyed by (PP rank, TP rank) (0.26 and 0.32; the base
+        class refuses a PP rank past 0): keyed by source rank for the coordinates."""
+        self.set_xfer_handshake_metadata(
+            {source_rank(pp, tp, self._tp_size): hs for (pp, tp), hs in metadata.items()}
+        )
 
     @_guard(lambda *a: None)
     def on_new_request(self, request: Any) -> None:

@@ -61,8 +61,12 @@ class SchedulerSide:
         host: str = "",
         failures_as_blocks: bool = False,
         shutdown: ShutdownWatch | None = None,
+        pp_size: int = 1,
     ) -> None:
+        """``pp_size``: this engine's pipeline stages (P's coordinates name every worker
+        of every stage)."""
         self.engine_id = engine_id
+        self._pp_size = pp_size
         self._shutdown = shutdown  # armed on the first step; its grace goes in each plan
         # vLLM 0.26: a failed load comes back as its block ids, not its request id.
         self._failures_as_blocks = failures_as_blocks
@@ -87,8 +91,10 @@ class SchedulerSide:
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
 
-    def set_handshakes(self, by_tp_rank: dict[int, Any]) -> None:
-        for rank, hs in by_tp_rank.items():
+    def set_handshakes(self, by_rank: dict[int, Any]) -> None:
+        """Each worker's handshake, by its source rank (the TP rank at PP 1;
+        ``connector.core.stages.source_rank``)."""
+        for rank, hs in by_rank.items():
             if isinstance(hs, Handshake):
                 self._handshakes[rank] = hs
 
@@ -102,9 +108,10 @@ class SchedulerSide:
                 engine_id=self.engine_id,
                 host=hs[0].host,
                 port=hs[0].port,
-                tp_size=len(hs),
+                tp_size=max(1, len(hs) // self._pp_size),
                 ports=tuple(h.port for h in hs),
                 agents=tuple(h.agent for h in hs),
+                pp_size=self._pp_size,
             )
         )
         return coords

@@ -31,6 +31,12 @@ Python is the same as the CPU one's):
   with nothing scheduled); pushkv's push starts there only for steps that completed a
   prompt, so both fit. ``handle_preemptions`` is called before each forward in both (0.26:
   gpu_model_runner.py and the V2 runner's gpu/kv_connector.py).
+- Pipeline parallelism: both hand a KV connector each stage's own layers only, give its
+  scheduler role every worker's handshake keyed by (PP rank, TP rank)
+  (``set_xfer_handshake_metadata_pp_aware``, engine/core.py; the base class refuses a PP
+  rank past 0), and count each request's finished_sending over every worker of every stage
+  (``KVOutputAggregator``; a stage before the last passes its connector output through
+  ``sample_tokens``, gpu_model_runner.py). The stage and its layers: ``pipeline_stage``.
 - Hooks only 0.32 has (``bind_kv_cache_manager``, ``requires_kv_delivery``,
   ``get_external_cache_hit_sources``, ...) are never called by 0.26; 0.26's own
   (``prefer_cross_layer_blocks``, ``register_cross_layers_kv_cache``) keep their defaults
@@ -55,6 +61,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (
     KVConnectorRole,
     SupportsHMA,
 )
+
+from connector.core.stages import PipelineStage
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +153,22 @@ def connector_base() -> Any:
 
         return _HmaBase
     return KVConnectorBase_V1
+
+
+def pipeline_stage(vllm_config: Any) -> PipelineStage:
+    """This worker's stage, from vLLM's own split (``get_pp_indices``, which honours
+    ``VLLM_PP_LAYER_PARTITION``) and its pipeline group; the same in 0.26 and 0.32. Call it
+    in a worker, once vLLM has set up its process groups."""
+    size = vllm_config.parallel_config.pipeline_parallel_size
+    if size == 1:
+        return PipelineStage()  # every layer; nothing of the split is used
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    from vllm.distributed.parallel_state import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    stage = get_pp_group().rank_in_group
+    first, end = get_pp_indices(total, stage, size)
+    return PipelineStage(stage, size, first, end, total)
 
 
 def transfer_results(sent: set[str], received: set[str], failed: set[str]) -> Any:

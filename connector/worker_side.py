@@ -23,9 +23,15 @@ from connector.core.geometry import KVGeometry, kv_geometry
 from connector.core.heads import head_range
 from connector.core.layout import KVLayout
 from connector.core.messages import FailReason, PeerAddr
+from connector.core.stages import PipelineStage, source_rank, source_ranks
 from connector.engine_spans import engine_tracer
 from connector.kv_params import agent_name
-from connector.kv_tensors import block_row_views, describe_kv_caches, physical_order
+from connector.kv_tensors import (
+    block_row_views,
+    check_stage_layers,
+    describe_kv_caches,
+    physical_order,
+)
 from connector.metadata import Handshake, StagedAbort, StepPlan
 from connector.transfer.doorbell import Doorbell
 from connector.transfer.guard import Guard
@@ -63,11 +69,16 @@ class WorkerSide:
         group_of: dict[str, int],
         cache_dtype: str = "auto",
         latent: bool = False,
+        stage: PipelineStage | None = None,
     ) -> None:
-        """``latent``: the model's KV is MLA's latent (``model_support.is_latent_kv``)."""
+        """``latent``: the model's KV is MLA's latent (``model_support.is_latent_kv``).
+        ``stage``: P's pipeline stage of this worker (``vllm_compat.pipeline_stage``)."""
         self.cfg, self.engine_id = cfg, engine_id
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
+        self.stage = stage = stage or PipelineStage()
+        # Among the engine's workers (ports, agent names, completions): the TP rank at PP 1.
+        self.rank = source_rank(stage.stage, tp_rank, tp_size)
         self._logical_block_size = logical_block_size
         self._group_of = group_of
         self._cache_dtype = cache_dtype  # vLLM's --kv-cache-dtype
@@ -77,7 +88,7 @@ class WorkerSide:
         self._transport: Any = None
         self._handshake: Handshake | None = None
         self._plan: StepPlan | None = None
-        self._metrics = RankMetrics(tp_rank) if cfg.metrics else None
+        self._metrics = RankMetrics(self.rank) if cfg.metrics else None
         self._failed_loads: set[str] = set()  # reported failed with the next results
         # D: the first block each load writes, by request (vLLM 0.26 reports failed loads
         # as block ids: failed_blocks).
@@ -90,7 +101,13 @@ class WorkerSide:
         from connector.transport.nixl import NixlTransport
 
         heads = head_range(self.tp_rank, self.tp_size, self.num_kv_heads)
-        layout = describe_kv_caches(kv_caches, self._group_of, heads, cache_dtype=self._cache_dtype)
+        first = 0
+        if self.stage.size > 1:
+            check_stage_layers(kv_caches, self.stage.first_layer, self.stage.end_layer)
+            first = self.stage.first_layer
+        layout = describe_kv_caches(
+            kv_caches, self._group_of, heads, cache_dtype=self._cache_dtype, first_layer=first
+        )
         if self._logical_block_size % layout.block_size:
             raise LayoutError(
                 f"scheduler block size {self._logical_block_size} is not a multiple "
@@ -99,11 +116,11 @@ class WorkerSide:
         self._ratio = self._logical_block_size // layout.block_size
         host = self.cfg.side_channel_host
         port = (
-            self.cfg.side_channel_port + self.tp_rank
+            self.cfg.side_channel_port + self.rank
             if self.cfg.side_channel_port
             else free_port(host)
         )
-        name = agent_name(self.engine_id, self.tp_rank, uuid.uuid4().hex[:8])
+        name = agent_name(self.engine_id, self.rank, uuid.uuid4().hex[:8])
         secret = load_secret(self.cfg)
         guard = Guard(secret, self.cfg.auth_window_s)
         self._transport = NixlTransport(
@@ -124,7 +141,12 @@ class WorkerSide:
         )
         peers = Peers(self._transport, int(self.cfg.dial_timeout_s * 1e9), bell=bell)
         me = RankInfo(
-            self.engine_id, self.tp_rank, self.tp_size, PeerAddr(agent=name, host=host, port=port)
+            self.engine_id,
+            self.tp_rank,
+            self.tp_size,
+            PeerAddr(agent=name, host=host, port=port),
+            pp_stage=self.stage.stage,
+            pp_size=self.stage.size,
         )
         listeners = [x for x in (self._metrics, freed) if x is not None]
         traced = self._spans(geometry_attributes(self.geometry(layout)))
@@ -143,6 +165,7 @@ class WorkerSide:
                 paths=paths,
                 guard=guard,
                 checksum_every=self.cfg.kv_checksum_every,
+                model_layers=self.stage.model_layers,
             )
         if self.is_consumer:
             receiver = Receiver(
@@ -169,11 +192,17 @@ class WorkerSide:
         self.thread.start()
         self._handshake = Handshake(name, host, port)
         logger.info(
-            "pushkv worker %s: %d regions, %d blocks of %d tokens, KV %s %s in %s (heads "
+            "pushkv worker %s: %d regions%s, %d blocks of %d tokens, KV %s %s in %s (heads "
             "[%d, %d) of %d B per token), listening on %s:%d, "
             + ("P/D plane authenticated" if secret else "P/D plane UNAUTHENTICATED"),
             name,
             len(layout.regions),
+            (
+                f" (pipeline stage {self.stage.stage} of {self.stage.size}: layers "
+                f"[{self.stage.first_layer}, {self.stage.end_layer}) of {self.stage.model_layers})"
+                if self.stage.size > 1
+                else ""
+            ),
             layout.num_blocks,
             layout.block_size,
             layout.dtype,
@@ -189,6 +218,11 @@ class WorkerSide:
         """GPU: P's path driver and D's IPC offer (connector/transfer/gpu/paths.py); neither
         on CPU, where every transfer goes direct."""
         if layout.mem_type != "VRAM":
+            return None, None
+        if self.stage.size > 1:
+            # The IPC and staged paths copy whole block rows of every layer; a stage writes
+            # only its layers: direct (NIXL) is the path it has.
+            logger.info("pushkv: pipeline stage %d writes direct", self.stage.stage)
             return None, None
         from connector.transfer.gpu.paths import paths_for
 
@@ -236,7 +270,8 @@ class WorkerSide:
         )
         if tracer is None:
             return NO_SPANS
-        return TransferSpans(tracer, self.engine_id, self.tp_rank, kv=kv)
+        stage = self.stage.stage if self.stage.size > 1 else None
+        return TransferSpans(tracer, self.engine_id, self.tp_rank, kv=kv, pp_stage=stage)
 
     def handshake(self) -> Handshake | None:
         return self._handshake
@@ -250,10 +285,14 @@ class WorkerSide:
         return tuple(tuple(b * r + i for b in group for i in range(r)) for group in table)
 
     def _sources(self, leg: Any) -> tuple[ev.Source, ...]:
+        """One per P TP rank that writes our heads, in each of P's pipeline stages."""
         topo = Topology(self.num_kv_heads, leg.remote_tp_size)
+        ranks = source_ranks(
+            topo.sources(self.tp_rank, self.tp_size), leg.remote_tp_size, leg.p_stages
+        )
         return tuple(
-            ev.Source(p, PeerAddr(agent=leg.agent_of(p), host=leg.remote_host, port=leg.port_of(p)))
-            for p in topo.sources(self.tp_rank, self.tp_size)
+            ev.Source(r, PeerAddr(agent=leg.agent_of(r), host=leg.remote_host, port=leg.port_of(r)))
+            for r in ranks
         )
 
     def before_forward(self, plan: StepPlan) -> None:
@@ -294,6 +333,7 @@ class WorkerSide:
                     reg.first_token,
                     reg.num_tokens,
                     trace,
+                    reg.leg.p_stages,
                 ),
                 note=RegisterNote(trace, reg.alloc_ns),
             )
@@ -379,13 +419,11 @@ class WorkerSide:
             if not self.thread.drain(self.cfg.shutdown_drain_s):
                 logger.warning(
                     "pushkv worker rank %d: transfers still in flight after %.1f s at shutdown",
-                    self.tp_rank,
+                    self.rank,
                     self.cfg.shutdown_drain_s,
                 )
             self.thread.stop()  # first: it merges its components' counters, transport's too
-            logger.info(
-                "pushkv worker rank %d counters: %s", self.tp_rank, dict(self.thread.counters)
-            )
+            logger.info("pushkv worker rank %d counters: %s", self.rank, dict(self.thread.counters))
         if self._transport is not None:
             self._transport.close()
         self.thread = self._transport = None

@@ -104,6 +104,7 @@ class Attr(str, Enum):
     ROLE = "pushkv.role"  # "prefill" | "decode" | "router"
     ENGINE_ID = "pushkv.engine_id"
     TP_RANK = "pushkv.tp_rank"
+    PP_STAGE = "pushkv.pp_stage"  # P's pipeline stage, on its spans where P runs several
     PEER = "pushkv.peer"  # remote agent of a WRITE or registration
     MODE = "pushkv.mode"  # router mode: push | vllm-push | pull
     DECODE_URL = "pushkv.decode_url"

@@ -91,7 +91,8 @@ class HeartbeatSeen:
 # ---------------------------------------------------------------- D side (receiver) events
 @dataclass(frozen=True)
 class Source:
-    """One P rank that writes into this D rank, and where to reach it."""
+    """One P rank that writes into this D rank, and where to reach it. ``p_rank`` is its
+    source rank (``connector.core.stages.source_rank``): the TP rank at PP 1."""
 
     p_rank: int
     addr: PeerAddr
@@ -99,7 +100,8 @@ class Source:
 
 @dataclass(frozen=True)
 class Expected:
-    """D allocated blocks for a transfer and wants them filled by ``sources``."""
+    """D allocated blocks for a transfer and wants them filled by ``sources``: one per
+    writing P TP rank per P pipeline stage (``p_pp_size``, which each registration names)."""
 
     transfer_id: str
     request_id: str
@@ -108,6 +110,7 @@ class Expected:
     first_token: int
     num_tokens: int
     trace: TraceContext | None = None
+    p_pp_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import enum
 from typing import Annotated, Final
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from connector.core import auth
 from connector.core.errors import RemoteProtocolError
@@ -107,6 +108,15 @@ class Register(_Msg, tag="register", frozen=True):
     # D's bound on one WRITE into these blocks (done or aborted within it); P applies the
     # shorter of this and its own write_timeout_s. None: P's own (an older D).
     write_timeout_ms: TtlMs | None = None
+    # The pipeline stages of P that D waits for (one completion per writing TP rank per
+    # stage); each P stage refuses a registration that names another number than it runs
+    # (``connector.core.stages``). Unset (left out of the frame, as an older P reads it): 1.
+    p_pp_size: TpSize | UnsetType = UNSET
+
+    @property
+    def p_stages(self) -> int:
+        """The pipeline stages of P that D waits for."""
+        return 1 if isinstance(self.p_pp_size, UnsetType) else self.p_pp_size
 
 
 class KvDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,10 +128,15 @@ class KvDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     value: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # msgspec: int64
     nbytes: Count
     heads: tuple[Count, Count]
+    # A P pipeline stage's layers [first, end), which it alone wrote; unset (left out of
+    # the frame): every layer of D.
+    layers: tuple[Count, Count] | UnsetType = UNSET
 
 
 class Completion(_Msg, tag="done", frozen=True):
-    """P→D, as the WRITE's own notification: this P rank's bytes have landed."""
+    """P→D, as the WRITE's own notification: this P rank's bytes have landed. ``p_rank``
+    (in ``Fail`` too) is the P worker's source rank: its TP rank, or with pipeline stages
+    on P its rank among the engine's workers (``connector.core.stages.source_rank``)."""
 
     p_rank: Rank
     p_tp_size: TpSize

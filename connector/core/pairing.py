@@ -118,19 +118,23 @@ def adapt(params: Any, request_id: str) -> tuple[Any, bool]:
 
 
 def _decode_fields(params: dict[str, Any]) -> dict[str, Any]:
-    """NixlConnector's names for a D leg's fields (``tp_size``) and P's engine reference."""
+    """NixlConnector's names for a D leg's fields (``tp_size``, ``pp_size``) and P's engine
+    reference."""
     out = dict(params)
-    if "remote_tp_size" not in out and isinstance(out.get("tp_size"), int):
-        out["remote_tp_size"] = out["tp_size"]
+    for theirs, ours in (("tp_size", "remote_tp_size"), ("pp_size", "remote_pp_size")):
+        if ours not in out and isinstance(out.get(theirs), int):
+            out[ours] = out[theirs]
     engine = out.get("remote_engine_id")
     if isinstance(engine, str) and REF_MARK in engine:
         base, _, tail = engine.rpartition(REF_MARK)
         incarnations = tail.split(".")
-        tp = out.get("remote_tp_size", 1)
-        if not base or len(incarnations) != tp:
+        tp, pp = out.get("remote_tp_size", 1), out.get("remote_pp_size", 1)
+        workers = tp * pp if isinstance(tp, int) and isinstance(pp, int) else tp
+        if not base or len(incarnations) != workers:
+            stages = f" x remote_pp_size {pp}" if pp != 1 else ""
             raise ForeignLegError(
                 f"kv_transfer_params: remote_engine_id {engine!r} names "
-                f"{len(incarnations)} ranks for remote_tp_size {tp}"
+                f"{len(incarnations)} ranks for remote_tp_size {tp}{stages}"
             )
         out["remote_engine_id"] = base
         if out.get("remote_agents") is None:
@@ -174,10 +178,12 @@ def engine_ref(
 def answer_params(coords: Mapping[str, Any], transfer_id: str) -> dict[str, Any]:
     """What P adds to its answer to a leg that came without a ``transfer_id``: a D leg
     whole (the sequential flow hands it to D unchanged) in NixlConnector's field names,
-    and ``transfer_mode: "push"`` where its four forwarded fields are enough for D."""
+    and ``transfer_mode: "push"`` where its four forwarded fields are enough for D (never
+    with pipeline stages on P: D must know how many to wait for, which they do not say)."""
     engine_id: str = coords["engine_id"]
     port: int = coords["port"]
     tp: int = coords["tp_size"]
+    pp: int = coords.get("pp_size", 1)
     ports: Sequence[int] = coords.get("ports") or ()
     agents: Sequence[str] = coords.get("agents") or ()
     ref = engine_ref(engine_id, port, ports, agents)
@@ -191,10 +197,12 @@ def answer_params(coords: Mapping[str, Any], transfer_id: str) -> dict[str, Any]
         "tp_size": tp,
         "remote_tp_size": tp,
     }
+    if pp > 1:
+        out["pp_size"] = out["remote_pp_size"] = pp
     if ports:
         out["remote_ports"] = list(ports)
     if agents:
         out["remote_agents"] = list(agents)
-    if ref is not None:
+    if ref is not None and pp == 1:
         out["transfer_mode"] = TRANSFER_MODE
     return out

@@ -236,6 +236,7 @@ def decode_body(
             remote_ports=coords.ports or UNSET,
             remote_agents=coords.agents or UNSET,
             remote_num_tokens=remote_num_tokens or UNSET,
+            remote_pp_size=coords.pp_size if coords.pp_size > 1 else UNSET,
         )
         out[PARAMS_FIELD] = (sign(leg) if sign is not None else leg).params()
         return out

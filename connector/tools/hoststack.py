@@ -40,16 +40,23 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class Instance:
-    """One P or D server: ``cpus`` is its ``VLLM_CPU_OMP_THREADS_BIND`` (one CPU list per TP
-    rank, joined by ``|``), ``extra_config`` its pushkv knobs beyond the address."""
+    """One P or D server: ``cpus`` is its ``VLLM_CPU_OMP_THREADS_BIND`` (one CPU list per
+    worker: TP rank, for each pipeline stage of ``pp``; joined by ``|``), ``extra_config``
+    its pushkv knobs beyond the address, ``args`` its own vLLM flags (after the stack's),
+    ``eager`` whether it runs with ``--enforce-eager``."""
 
     cpus: str = "0"
     tp: int = 1
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+    pp: int = 1
+    args: tuple[str, ...] = ()
+    eager: bool = True
 
     def __post_init__(self) -> None:
-        if len(self.cpus.split("|")) != self.tp:
-            raise ValueError(f"{self.tp} TP ranks need {self.tp} CPU lists, got {self.cpus!r}")
+        workers = self.tp * self.pp
+        if len(self.cpus.split("|")) != workers:
+            what = f"{self.tp} TP ranks" + (f" x {self.pp} stages" if self.pp > 1 else "")
+            raise ValueError(f"{what} need {workers} CPU lists, got {self.cpus!r}")
 
 
 @dataclass
@@ -121,6 +128,8 @@ class HostStack(StartStop):
         if where is not None:
             env |= where.ucx_env()
         tp = ["--tensor-parallel-size", str(inst.tp)] if inst.tp > 1 else []
+        if inst.pp > 1:
+            tp += ["--pipeline-parallel-size", str(inst.pp)]
         return HostedServer(
             self.model,
             port,
@@ -128,7 +137,8 @@ class HostStack(StartStop):
                 self.connector_name, kv_role, engine_id, extra, self.kv_load_failure_policy
             ),
             env=env,
-            extra_args=[*tp, *self.server_args],
+            extra_args=[*tp, *self.server_args, *inst.args],
+            eager=inst.eager,
             log_path=self.run_dir / f"{engine_id}.log",
             host=addr,
             cpu_affinity=server_affinity(inst.cpus) if self.pin_servers else None,

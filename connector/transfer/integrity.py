@@ -25,6 +25,7 @@ import zlib
 from typing import NamedTuple
 
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 from connector.core import messages as m
 from connector.core.digest_ranges import Runs, dest_runs, source_runs
@@ -33,6 +34,7 @@ from connector.core.events import Expected
 from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout
 from connector.core.plan import Pieces
+from connector.core.stages import layers_view
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +106,15 @@ def digest_runs(runs: Runs, algo: str = CRC32, layout: KVLayout | None = None) -
 
 
 def source_digest(
-    layout: KVLayout, pieces: Pieces, heads: HeadRange, dst_mem: str = "DRAM"
+    layout: KVLayout,
+    pieces: Pieces,
+    heads: HeadRange,
+    dst_mem: str = "DRAM",
+    layers: tuple[int, int] | None = None,
 ) -> m.KvDigest | None:
     """P: the digest of a transfer's source bytes in D's address order (``dst_mem``: where D
-    holds its KV, which picks the algorithm); None where this process cannot compute it."""
+    holds its KV, which picks the algorithm); None where this process cannot compute it.
+    ``layers``: a pipeline stage's [first, end), the only layers it wrote (D checks those)."""
     algo = algo_for(layout.mem_type, dst_mem)
     why = cannot_compute(algo, layout)
     if why:
@@ -119,7 +126,13 @@ def source_digest(
     except _DEVICE_ERRORS as exc:  # a device error must not end the transfer thread
         logger.warning("No KV digest: %s failed: %s", algo, exc)
         return None
-    return m.KvDigest(algo=algo, value=value, nbytes=int(runs[1].sum()), heads=(heads[0], heads[1]))
+    return m.KvDigest(
+        algo=algo,
+        value=value,
+        nbytes=int(runs[1].sum()),
+        heads=(heads[0], heads[1]),
+        layers=layers if layers is not None else UNSET,
+    )
 
 
 def verify(layout: KVLayout, expected: Expected, digest: m.KvDigest | None) -> Check:
@@ -141,6 +154,8 @@ def verdict(layout: KVLayout, expected: Expected, digest: m.KvDigest | None) -> 
     if not layout.heads[0] <= h0 < h1 <= layout.heads[1]:
         return Verdict(Check.MISMATCH, f"heads {h0}..{h1} outside this rank's")
     try:
+        if not isinstance(digest.layers, UnsetType):  # a P pipeline stage: its layers only
+            layout = layers_view(layout, digest.layers)
         runs = dest_runs(
             layout,
             expected.block_ids,

@@ -16,6 +16,7 @@ from connector.core.errors import LayoutError
 from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout
 from connector.core.plan import Pieces
+from connector.core.stages import layer_span
 from connector.transfer.guard import Guard
 from connector.transfer.integrity import sampled, source_digest
 from connector.transfer.topology import RankInfo
@@ -45,7 +46,7 @@ class Notices:
         return self.codec.encode(
             m.Completion(
                 transfer_id=tid,
-                p_rank=self.me.rank,
+                p_rank=self.me.source_rank,
                 p_tp_size=self.me.tp_size,
                 bytes_total=nbytes,
                 descriptors=descs,
@@ -54,7 +55,7 @@ class Notices:
         )
 
     def fail(self, tid: str, reason: m.FailReason) -> bytes:
-        return self.codec.encode(m.Fail(transfer_id=tid, p_rank=self.me.rank, reason=reason))
+        return self.codec.encode(m.Fail(transfer_id=tid, p_rank=self.me.source_rank, reason=reason))
 
     def digest(
         self, tid: str, src: KVLayout, pieces: Pieces, heads: HeadRange, dst_mem: str
@@ -63,7 +64,8 @@ class Notices:
         (before the WRITE is posted: the digest travels in its own notification)."""
         if not sampled(tid, self.checksum_every) or pieces.count == 0:
             return None
-        digest = source_digest(src, pieces, heads, dst_mem)
+        layers = layer_span(src) if self.me.pp_size > 1 else None  # a stage's layers only
+        digest = source_digest(src, pieces, heads, dst_mem, layers)
         self.counters.add(Count.KV_DIGESTS if digest is not None else Count.KV_DIGESTS_SKIPPED)
         return digest
 

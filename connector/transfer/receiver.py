@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from connector.core import events as ev
 from connector.core import messages as m
@@ -234,6 +235,7 @@ class Receiver:
                     write_timeout_ms=min(
                         max(1, self.policy.write_timeout_ns // 1_000_000), m.MAX_TTL_MS
                     ),
+                    p_pp_size=exp.p_pp_size if exp.p_pp_size > 1 else UNSET,
                 )
             )
 

@@ -27,6 +27,7 @@ from connector.core.errors import (
 from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout
 from connector.core.sender_table import SenderTable
+from connector.core.stages import layer_span
 from connector.core.state import SenderPolicy
 from connector.transfer.doorbell import DONE, WRITE, write_key
 from connector.transfer.guard import Guard
@@ -66,11 +67,19 @@ class Sender:
         paths: Paths | None = None,
         guard: Guard | None = None,
         checksum_every: int = 0,
+        model_layers: int = 0,
     ) -> None:
         """``paths``: the path driver (GPU); None sends every transfer direct.
         ``checksum_every``: send a digest of the KV with one transfer in this many (0: none;
-        ``connector.transfer.integrity``)."""
+        ``connector.transfer.integrity``). ``model_layers``: with pipeline stages on P
+        (``me.pp_size`` > 1), the model's layers, every stage's (``layout`` holds this
+        stage's, numbered as the model numbers them)."""
         layout.validate()
+        if me.pp_size > 1:
+            layer_span(layout)  # a stage holds one contiguous run of the model's layers
+            if model_layers < 1:
+                raise LayoutError("a P pipeline stage needs the model's layer count")
+        self._model_layers = model_layers
         self.counters: Counts = Counts()
         codec = guard if guard is not None else Guard()  # seals when a secret is set
         self.notices = Notices(me, codec, self.counters, checksum_every)
@@ -235,7 +244,15 @@ class Sender:
     def _post(self, a: ev.IssueWrite, now_ns: int) -> None:
         report = new_report(a, self.layout)
         try:
-            plans = plan_writes(a, self.layout, self._check_layout, self._heads, self.paths)
+            plans = plan_writes(
+                a,
+                self.layout,
+                self._check_layout,
+                self._heads,
+                self.paths,
+                self.me.pp_size,
+                self._model_layers,
+            )
         except LayoutError as exc:
             logger.warning("Transfer %s cannot be mapped: %s", a.transfer_id, exc)
             if (rec := self._transfers.get(a.transfer_id)) is not None:
@@ -308,7 +325,9 @@ class Sender:
         w.handles.append(handle)
         # D polls (steadily, connector.transfer.polling) until this WRITE's completion is in: over
         # TCP it needs D's UCX progress.
-        self.peers.ring(reg.d_addr.agent, WRITE + write_key(self.me.rank, w.report.transfer_id))
+        self.peers.ring(
+            reg.d_addr.agent, WRITE + write_key(self.me.source_rank, w.report.transfer_id)
+        )
 
     def _unposted_failed(self, w: Write, reason: m.FailReason, exc: TransportError) -> None:
         w.unposted -= 1
@@ -334,7 +353,7 @@ class Sender:
                     live.append(h)
                     continue
                 # DONE: NIXL has just sent the completion; D polls slowly until it comes.
-                self.peers.ring(h.peer, DONE + write_key(self.me.rank, w.report.transfer_id))
+                self.peers.ring(h.peer, DONE + write_key(self.me.source_rank, w.report.transfer_id))
             except TransportError as exc:
                 self._lost(h.peer, exc)
                 reason = (

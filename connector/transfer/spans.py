@@ -106,16 +106,20 @@ class TransferSpans:
     tp_rank: int
     # P's KV geometry as span attributes, once per layout (``geometry_attributes``)
     kv: dict[Attr, Any] = field(default_factory=dict)
+    pp_stage: int | None = None  # P's pipeline stage, where P runs several
     _push: OrderedDict[str, _Push] = field(default_factory=OrderedDict)
     _recv: OrderedDict[str, _Receive] = field(default_factory=OrderedDict)
 
     def _common(self, tid: str, request_id: str) -> dict[Attr, Any]:
-        return {
+        out = {
             Attr.TRANSFER_ID: tid,
             Attr.REQUEST_ID: request_id or None,
             Attr.ENGINE_ID: self.engine_id,
             Attr.TP_RANK: self.tp_rank,
         }
+        if self.pp_stage is not None:
+            out[Attr.PP_STAGE] = self.pp_stage
+        return out
 
     @staticmethod
     def _slot(table: OrderedDict[str, Any], tid: str, make: Any) -> Any:

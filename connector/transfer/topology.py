@@ -1,7 +1,7 @@
 """Who writes which KV heads to whom, for one P rank or one D rank, cached per TP size.
 
 Owns: the rank identity (`RankInfo`) and the head-split answers the endpoints need. Pure
-(built on core.heads); no vLLM, no NIXL.
+(built on core.heads and core.stages); no vLLM, no NIXL.
 """
 
 from __future__ import annotations
@@ -11,16 +11,26 @@ from functools import lru_cache
 
 from connector.core.heads import HeadRange, assign_writers, head_range, sources_of, targets_of
 from connector.core.messages import PeerAddr
+from connector.core.stages import source_rank
 
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One rank of one engine, and where its transport agent listens."""
+    """One rank of one engine, and where its transport agent listens: its TP rank
+    (``rank``) and, on a P with pipeline stages, its stage."""
 
     engine_id: str
     rank: int
     tp_size: int
     addr: PeerAddr
+    pp_stage: int = 0
+    pp_size: int = 1
+
+    @property
+    def source_rank(self) -> int:
+        """This rank as a source of KV, in P's completions and doorbells: its TP rank at
+        PP 1, else its rank among the engine's workers (``core.stages.source_rank``)."""
+        return source_rank(self.pp_stage, self.rank, self.tp_size)
 
 
 @lru_cache(maxsize=256)

@@ -2,8 +2,9 @@
 
 Owns: ``LayoutCheck`` (peer layouts, validated once), ``TargetPlan`` (one D target: its
 path and, on the direct path, its descriptors), ``plan_writes`` (every target's plan, or
-``LayoutError`` when one cannot be mapped) and ``new_report`` (the report those WRITEs
-fill in). Posting them is ``connector.transfer.sender``'s job.
+``LayoutError`` when one cannot be mapped), ``stage_target`` (what a P pipeline stage
+writes of D's KV) and ``new_report`` (the report those WRITEs fill in). Posting them is
+``connector.transfer.sender``'s job.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from connector.core import events as ev
 from connector.core import messages as m
 from connector.core.errors import LayoutError
 from connector.core.heads import HeadRange
 from connector.core.layout import KVLayout, check_same_dtype
 from connector.core.plan import Pieces, plan_transfer
+from connector.core.stages import check_stages, stage_view
 from connector.core.xfer_path import PathChoice, XferPath
 from connector.transfer.paths import Paths
 from connector.transfer.send_records import WriteReport
@@ -55,12 +59,16 @@ def plan_writes(
     check: LayoutCheck,
     heads_of: Callable[[m.Register], HeadRange],
     paths: Paths | None,
+    pp_size: int = 1,
+    model_layers: int = 0,
 ) -> list[TargetPlan]:
     """Each target's plan for our KV in ``layout``; raises ``LayoutError`` when one cannot
-    be mapped."""
+    be mapped. ``pp_size``: P's pipeline stages (``layout`` holds this stage's layers of
+    the ``model_layers`` the model has)."""
     plans = []
     for reg in a.registrations:
         check(layout, reg.layout)
+        reg = stage_target(reg, layout, pp_size, model_layers)
         if reg.num_tokens != a.num_tokens:
             raise LayoutError(f"D expects {reg.num_tokens} tokens, P computed {a.num_tokens}")
         heads = heads_of(reg)
@@ -70,6 +78,16 @@ def plan_writes(
             pieces = plan_direct(layout, a.block_ids, reg, heads)
         plans.append(TargetPlan(reg, pieces, choice, heads))
     return plans
+
+
+def stage_target(reg: m.Register, ours: KVLayout, pp_size: int, model_layers: int) -> m.Register:
+    """``reg`` as this P worker writes it: D must wait for as many pipeline stages as P
+    runs, and with stages D's layout is cut to this stage's layers
+    (``connector.core.stages.stage_view``); LayoutError otherwise."""
+    check_stages(reg.p_stages, pp_size)
+    if pp_size == 1:
+        return reg
+    return msgspec.structs.replace(reg, layout=stage_view(reg.layout, ours, model_layers))
 
 
 def plan_direct(

@@ -10,7 +10,6 @@ P rank that writes into it, and each P rank WRITEs its heads once per request.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +19,10 @@ import httpx
 import pytest
 
 from connector.tools.hoststack import HostStack, Instance
-from connector.tools.pdstack import metric_sum
-from telemetry.schema import Attr, Metric, Span
-from telemetry.traces import read_run
+from telemetry.schema import Attr, Span
 from tests.e2e.greedy import MAX_TOKENS, choice, greedy_body, top_gaps
 from tests.e2e.test_push_e2e import post_ok, random_prompt
+from tests.e2e.transfer_spans import done_transfers, transfer_trace, wait_for_transfers
 
 # The stack's start is in the first test's time (a module fixture): START_TIMEOUT_S plus
 # the warm-up and one test's requests.
@@ -36,8 +34,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 # bound only ends a hang.
 START_TIMEOUT_S = 600.0
 HTTP_TIMEOUT_S = 60.0
-SPAN_WAIT_S = 20.0
-METRIC_SETTLE_S = 10.0
 PROMPTS = [random_prompt(n, seed=200 + n) for n in (30, 64, 129, 200, 300, 500)]
 # TP 2 all-reduces each layer's output in two partial sums, so a single instance at TP 2 and
 # one at TP 1 differ in the last bf16 bits; on the tiny model (selective attention, near-tie
@@ -89,13 +85,6 @@ def tp_stack(
         stack.stop()
 
 
-def transfers(url: str, side: str) -> float:
-    """Transfers done so far on this server, over its ranks (each rank counts its own)."""
-    with _client(url) as c:
-        text = c.get("/metrics").text
-    return metric_sum(text, Metric.TRANSFERS.value, side=side, outcome="done") or 0.0
-
-
 def agreed(got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str) -> int:
     """``got`` equals ``ref`` (D alone) on the tokens where ``ref`` and ``other_tp`` (P alone,
     the other TP size) agree, or leaves it earlier at one of ``ref``'s near-ties; how many
@@ -123,7 +112,7 @@ def agreed(got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], w
 def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) -> None:
     p, d = tp_stack.prefills[0], tp_stack.decodes[0]
     p_tp, d_tp = (len(s.env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) for s in (p, d))
-    sent0, recv0 = transfers(p.url, "send"), transfers(d.url, "recv")
+    since = done_transfers(p.url, "send"), done_transfers(d.url, "recv")
     trace_ids, compared = [], 0
     with _client(tp_stack.url) as router, _client(d.url) as dc, _client(p.url) as pc:
         for i, prompt in enumerate(PROMPTS):
@@ -148,28 +137,10 @@ def test_greedy_output_and_one_completion_per_writing_rank(tp_stack: HostStack) 
     # counts that as one transfer.
     writers = max(1, p_tp // d_tp)
     n = len(PROMPTS)
-    deadline = time.monotonic() + METRIC_SETTLE_S
-    while (transfers(d.url, "recv") - recv0, transfers(p.url, "send") - sent0) != (
-        n * d_tp,
-        n * p_tp,
-    ):
-        assert time.monotonic() < deadline, (
-            f"transfers done: D {transfers(d.url, 'recv') - recv0} (want {n * d_tp}), "
-            f"P {transfers(p.url, 'send') - sent0} (want {n * p_tp})"
-        )
-        time.sleep(0.2)
-    deadline = time.monotonic() + SPAN_WAIT_S
+    wait_for_transfers(p.url, d.url, since, (n * p_tp, n * d_tp))
     for tid in trace_ids:
-        while True:
-            trace = read_run(tp_stack.run_dir).trace(tid)
-            awaits = trace.named(Span.AWAIT_KV.value) if trace else []
-            writes = trace.named(Span.WRITE.value) if trace else []
-            if len(awaits) >= d_tp and len({w.attr(Attr.TP_RANK.value) for w in writes}) >= p_tp:
-                break
-            assert time.monotonic() < deadline, (
-                f"trace {tid}: {len(awaits)} await_kv, {len(writes)} write"
-            )
-            time.sleep(0.5)
+        trace = transfer_trace(tp_stack.run_dir, tid, d_ranks=d_tp, writes=p_tp)
+        awaits, writes = trace.named(Span.AWAIT_KV.value), trace.named(Span.WRITE.value)
         assert sorted(a.attr(Attr.TP_RANK.value) for a in awaits) == list(range(d_tp))
         assert {a.attr(Attr.P_RANKS.value) for a in awaits} == {writers}, tid
         assert all(not a.is_error for a in awaits + writes), tid

@@ -2,8 +2,9 @@
 transfer spans, and the KV geometry P's spans carry. Test code only; imports no vLLM.
 
 Owns: ``traced_completion`` (a request with a trace id of its own), ``transfer_trace``
-(waits for the spans of one push transfer) and ``assert_kv_geometry`` (every
-``prepare_descriptors`` and ``write`` span names the model's KV as ``want`` says).
+(waits for the spans of one push transfer), ``assert_kv_geometry`` (every
+``prepare_descriptors`` and ``write`` span names the model's KV as ``want`` says) and the
+servers' own transfer counts (``done_transfers``, ``wait_for_transfers``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any
 
 import httpx
 
+from connector.tools.pdstack import metric_sum
 from telemetry.otlp_json import Trace
-from telemetry.schema import Attr, Span
+from telemetry.schema import Attr, Metric, Span
 from telemetry.traces import read_run
 
 SPAN_WAIT_S = 30.0  # the exporters flush every 0.5 s; a loaded box may take longer
+METRIC_SETTLE_S = 10.0
+HTTP_TIMEOUT_S = 60.0
 
 
 def traced_completion(client: httpx.Client, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -32,14 +36,15 @@ def traced_completion(client: httpx.Client, body: dict[str, Any]) -> tuple[str, 
     return trace_id, out
 
 
-def transfer_trace(run_dir: Path, trace_id: str, d_ranks: int = 1) -> Trace:
-    """The trace once it holds one ``await_kv`` per D rank and P's ``write`` (bounded)."""
+def transfer_trace(run_dir: Path, trace_id: str, d_ranks: int = 1, writes: int = 1) -> Trace:
+    """The trace once it holds one ``await_kv`` per D rank and ``writes`` of P's ``write``
+    spans (one per writing P rank: TP rank, and stage where P runs several) (bounded)."""
     deadline = time.monotonic() + SPAN_WAIT_S
     while True:
         trace = read_run(run_dir).trace(trace_id)
         if trace is not None:
-            awaits, writes = trace.named(Span.AWAIT_KV.value), trace.named(Span.WRITE.value)
-            if len(awaits) >= d_ranks and writes:
+            awaits, done = trace.named(Span.AWAIT_KV.value), trace.named(Span.WRITE.value)
+            if len(awaits) >= d_ranks and len(done) >= writes:
                 return trace
         assert time.monotonic() < deadline, f"trace {trace_id}: no transfer spans in {run_dir}"
         time.sleep(0.2)
@@ -58,3 +63,26 @@ def assert_kv_geometry(trace: Trace, want: dict[str, Any], what: str) -> None:
     per_token = int(want[Attr.KV_BYTES_PER_TOKEN.value])
     for write in trace.named(Span.WRITE.value):
         assert int(write.attributes[Attr.BYTES.value]) % per_token == 0, what
+
+
+def done_transfers(url: str, side: str) -> float:
+    """Transfers done so far on this server, over its ranks (each rank counts its own)."""
+    with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False) as c:
+        text = c.get("/metrics").text
+    return metric_sum(text, Metric.TRANSFERS.value, side=side, outcome="done") or 0.0
+
+
+def wait_for_transfers(
+    p_url: str, d_url: str, since: tuple[float, float], want: tuple[int, int]
+) -> None:
+    """Until P has sent and D received ``want`` transfers more than ``since`` (each as
+    ``(P send, D recv)``); the counters trail the answers by a step (bounded)."""
+    deadline = time.monotonic() + METRIC_SETTLE_S
+    while True:
+        got = (done_transfers(p_url, "send") - since[0], done_transfers(d_url, "recv") - since[1])
+        if got == want:
+            return
+        assert time.monotonic() < deadline, (
+            f"transfers done (P sent, D received): {got}, want {want}"
+        )
+        time.sleep(0.2)

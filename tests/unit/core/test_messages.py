@@ -26,7 +26,14 @@ SAMPLES: list[m.Message] = [
         ttl_ms=5,
         trace=m.TraceContext(traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
     ),
+    msgspec.structs.replace(register(), p_pp_size=4),
     m.Completion(transfer_id="t0", p_rank=1, p_tp_size=2, bytes_total=1 << 30, descriptors=12),
+    m.Completion(
+        transfer_id="t0",
+        p_rank=5,
+        p_tp_size=2,
+        digest=m.KvDigest(algo="crc32", value=7, nbytes=64, heads=(0, 1), layers=(3, 5)),
+    ),
     m.Fail(transfer_id="t0", p_rank=0, reason=m.FailReason.LEASE_EXPIRED, detail="late"),
     m.Cancel(transfer_id="t0", d_rank=0, d_addr=d_addr(), reason=m.FailReason.ABORTED),
     m.Heartbeat(transfer_id="t0", d_rank=0, d_addr=d_addr(), more_ids=("t1", "t2")),
@@ -38,6 +45,20 @@ def test_round_trip(msg: m.Message) -> None:
     frame = m.encode(msg)
     assert m.is_frame(frame)
     assert m.decode(frame) == msg
+
+
+def test_frames_without_pipeline_stages_are_what_an_older_peer_reads() -> None:
+    """``p_pp_size`` and a digest's ``layers`` travel only where P runs stages: an older P
+    (or D), which refuses unknown fields, reads every frame sent without them."""
+    digest = m.KvDigest(algo="crc32", value=7, nbytes=64, heads=(0, 1))
+    frames = [
+        m.encode(register()),
+        m.encode(m.Completion(transfer_id="t0", p_rank=0, p_tp_size=1, digest=digest)),
+    ]
+    assert not any(b"p_pp_size" in f or b"layers" in f for f in frames)
+    assert m.decode(frames[0]).p_stages == 1  # type: ignore[union-attr]
+    staged = m.encode(msgspec.structs.replace(register(), p_pp_size=2))
+    assert b"p_pp_size" in staged and m.decode(staged).p_stages == 2  # type: ignore[union-attr]
 
 
 def test_heartbeat_lists_every_id() -> None:

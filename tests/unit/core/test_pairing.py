@@ -215,3 +215,38 @@ def test_plain_coordinates_answer_with_the_plain_engine_id() -> None:
     answer = pairing.answer_params(COORDS, "t1")
     assert answer["remote_engine_id"] == "prefill" and answer["transfer_mode"] == "push"
     assert "remote_agents" not in answer and answer["tp_size"] == 1
+
+
+def test_pipeline_stages_on_p_reach_d_and_keep_routers_sequential() -> None:
+    """P at TP 2 x PP 2: its answer names both stages (NixlConnector's ``pp_size`` too),
+    and no ``transfer_mode``: the four fields vllm-router's push mode forwards do not say
+    how many stages D must wait for, so such a router hands D P's whole answer."""
+    agents = [agent_name("prefill", r, f"{r:08x}") for r in range(4)]
+    coords = {**COORDS, "tp_size": 2, "pp_size": 2, "ports": [5600 + r for r in range(4)]}
+    answer = pairing.answer_params({**coords, "agents": agents}, "t1")
+    assert "transfer_mode" not in answer
+    assert (answer["pp_size"], answer["remote_pp_size"]) == (2, 2)
+    leg = parse_decode_leg(pairing.adapt(answer, "cmpl-d-0-0badcafe")[0])
+    assert leg is not None and (leg.remote_tp_size, leg.p_stages) == (2, 2)
+    assert [leg.agent_of(r) for r in range(4)] == agents
+    assert [leg.port_of(r) for r in range(4)] == coords["ports"]
+
+
+def test_a_foreign_legs_pp_size_and_engine_reference_name_every_stage() -> None:
+    """vLLM's NixlPushConnector legs name P's stages ``pp_size``; an engine reference must
+    then name one incarnation per worker of every stage."""
+    ref = f"prefill{pairing.REF_MARK}a.b.c.d"
+    leg = {
+        "do_remote_prefill": True,
+        "transfer_id": "t1",
+        "remote_engine_id": ref,
+        "remote_host": "h",
+        "remote_port": 7000,
+        "tp_size": 2,
+        "pp_size": 2,
+    }
+    parsed = parse_decode_leg(pairing.adapt(leg, "cmpl-d-0-0badcafe")[0])
+    assert parsed is not None and parsed.p_stages == 2
+    assert parsed.agent_of(3) == agent_name("prefill", 3, "d")
+    with pytest.raises(pairing.ForeignLegError, match="names 4 ranks for remote_tp_size 2 x"):
+        pairing.adapt({**leg, "pp_size": 3}, "cmpl-d-0-0badcafe")

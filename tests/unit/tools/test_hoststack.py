@@ -45,6 +45,14 @@ def test_a_server_on_loopback_at_tp_2(tmp_path: Path) -> None:
     assert s.child_env()["UCX_NET_DEVICES"] == "lo"  # the default: loopback UCX
 
 
+def test_a_server_with_pipeline_stages_and_its_own_flags(tmp_path: Path) -> None:
+    inst = Instance("0|1", pp=2, args=("--compilation-config", "{}"), eager=False)
+    cmd = _stack(tmp_path)._server("prefill", 0, inst, None, 8100).command()
+    assert cmd[cmd.index("--pipeline-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in cmd and "--enforce-eager" not in cmd
+    assert cmd[-2:] == ["--compilation-config", "{}"]
+
+
 def test_a_bad_knob_fails_before_anything_starts(tmp_path: Path) -> None:
     bad = Instance("0", extra_config={"receive_timeout_s": 5.0})  # below write_timeout_s
     with pytest.raises(ConfigError, match="write_timeout_s must be shorter"):
@@ -54,4 +62,6 @@ def test_a_bad_knob_fails_before_anything_starts(tmp_path: Path) -> None:
 def test_an_instance_needs_one_cpu_list_per_rank() -> None:
     with pytest.raises(ValueError, match="2 TP ranks need 2 CPU lists"):
         Instance("0", tp=2)
+    with pytest.raises(ValueError, match="1 TP ranks x 2 stages need 2 CPU lists"):
+        Instance("0", pp=2)
     assert cpu_set("0|1") == frozenset({0, 1})
