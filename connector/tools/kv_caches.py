@@ -1,7 +1,8 @@
 """KV cache tensors laid out exactly as vLLM 0.32 hands them to ``register_kv_caches``.
 
 Owns: ``vllm_kv_caches``: one flat byte buffer viewed per layer as logical
-[B, H, N, C] (C = K|V of one head and token), with the strides ``KVCacheLayout`` gives
+[B, H, N, C] (C = K|V of one head and token; MLA: one latent, each layer's view
+[B, N, C] as vLLM 0.26 hands it), with the strides ``KVCacheLayout`` gives
 (``vllm/v1/kv_cache_interface.py``: ``compute_layout_strides``, ``create_kv_cache_views``;
 ``tests/unit/test_kv_tensors.py`` checks the strides against vLLM's own function where vLLM
 is installed). For tests and benches of the GPU path where vLLM cannot run (the GPU machine
@@ -43,14 +44,21 @@ def vllm_kv_caches(
     dtype: torch.dtype = torch.bfloat16,
     layout: str = "LBHNC",
     device: str | torch.device = "cpu",
+    latent: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """(the raw uint8 buffer, {layer name: [B, H, N, 2 * head_size] view of ``dtype``})."""
+    """(the raw uint8 buffer, {layer name: [B, H, N, 2 * head_size] view of ``dtype``});
+    ``latent``: MLA's KV, one latent of ``head_size`` elements per token and layer (one
+    "head", no K/V split), viewed [B, N, head_size] per layer."""
+    if latent and num_heads != 1:
+        raise ValueError(f"an MLA latent is one head per token, not {num_heads}")
     elt = torch.empty(0, dtype=dtype).element_size()
-    shape = (num_layers, num_blocks, num_heads, block_size, 2 * head_size * elt)
+    content = head_size if latent else 2 * head_size
+    shape = (num_layers, num_blocks, num_heads, block_size, content * elt)
     total = 1
     for n in shape:
         total *= n
     raw = torch.zeros(total, dtype=torch.uint8, device=device)
     view_5d = torch.as_strided(raw, shape, layout_strides(shape, layout))
-    views = {f"model.layers.{i}.self_attn.attn": view_5d[i].view(dtype) for i in range(num_layers)}
+    per_layer = [view_5d[i][:, 0] if latent else view_5d[i] for i in range(num_layers)]
+    views = {f"model.layers.{i}.self_attn.attn": t.view(dtype) for i, t in enumerate(per_layer)}
     return raw, views

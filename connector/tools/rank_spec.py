@@ -44,6 +44,9 @@ class RankSpec:
     # does; None: the synthetic buffer above. Needs torch.
     kv_layout: str | None = None
     dtype: str = "bfloat16"  # of the vLLM-shaped KV (bfloat16, float8_e4m3fn)
+    # With kv_layout: MLA's KV, token_bytes one latent per token and layer (num_kv_heads 1),
+    # each layer viewed [B, N, C] as vLLM 0.26 hands it (connector.tools.kv_caches).
+    latent: bool = False
     xfer_paths: str = "auto"  # GPU: PushkvConfig.xfer_paths
     secret: bytes | None = None  # the P/D plane's shared secret (docs/security.md)
     # The address the side channel and doorbell bind and peers dial: a netbed host's
@@ -126,10 +129,11 @@ class VllmKV:
             spec.num_blocks,
             h,
             spec.block_size,
-            spec.token_bytes // (2 * elt),
+            spec.token_bytes // (elt if spec.latent else 2 * elt),
             dtype=dtype,
             layout=spec.kv_layout or "LBHNC",
             device=dev,
+            latent=spec.latent,
         )
         if spec.role == "P":
             self.fill(list(range(spec.num_blocks)), spec.seed * 1000 + spec.rank)

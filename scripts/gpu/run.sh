@@ -3,6 +3,7 @@
 #   bash scripts/gpu/run.sh receive            # a part of the site came with this call
 #   bash scripts/gpu/run.sh check [MODEL]      # + unpack, model, P/D greedy check
 #   bash scripts/gpu/run.sh sweep MODEL ARGS   # pushkv bench --sweep on this GPU
+#   bash scripts/gpu/run.sh cost [ARGS]        # transfer cost per GPU model's KV (no vLLM)
 # PUSHKV_RUN_TAG=x names a second sweep's folder (/tmp/sweep-MODEL-x) beside the first.
 # Every step writes its log and results under $OUT (what comes back).
 set -uo pipefail
@@ -15,6 +16,11 @@ bash scripts/gpu/receive.sh || exit 1
 [ "$step" = receive ] && exit 0
 [ -f "${PUSHKV_GPU_DIR:-/tmp/pushkv-gpu}/site/.complete" ] || { echo "site not complete"; exit 1; }
 . scripts/gpu/env.sh
+if [ "$step" = cost ]; then  # P/D rank pairs with each GPU model's KV: no model, no vLLM
+  python3 -m bench.gpu_model_cost --device cuda:0 --out "$OUT/model_cost.json" "$@" 2>&1 \
+    | tee "$OUT/model_cost.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 MODELS=/tmp/models
 model=${1:-llama8b}
 shift || true

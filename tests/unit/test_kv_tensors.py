@@ -19,6 +19,7 @@ from connector.kv_tensors import (
     preferred_layout,
 )
 from connector.tools.kv_caches import LAYOUTS, layout_strides, vllm_kv_caches
+from connector.tools.rank_spec import RankSpec, VllmKV
 
 L, B, H, N, D = 3, 7, 2, 4, 8
 READABLE = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
@@ -108,6 +109,49 @@ def test_block_rows_are_each_blocks_bytes(layout: str) -> None:
         r[4].fill_(7)
         assert bool((t[4].view(torch.uint8) == 7).all())
         assert int(t[3].view(torch.uint8).sum()) == int(t[5].view(torch.uint8).sum()) == 0
+
+
+@pytest.mark.parametrize("layout", ("LBHNC", "BLHNC"))
+def test_latent_views_are_mlas_pages_of_one_head(layout: str) -> None:
+    """MLA as vLLM 0.26 hands it: [B, N, latent] per layer, read as one head of the latent."""
+    width = 12  # elements of the latent (DeepSeek-V3: 576)
+    _, views = vllm_kv_caches(L, B, 1, N, width, layout=layout, latent=True)
+    lay = describe_kv_caches(views, {}, (0, 1))
+    elt = torch.empty(0, dtype=torch.bfloat16).element_size()
+    assert all(t.shape == (B, N, width) for t in views.values())
+    assert lay.num_heads == 1 and lay.token_bytes == width * elt
+    assert lay.block_bytes == N * width * elt  # no V beside the latent
+    for region, t in zip(lay.regions, views.values(), strict=True):
+        assert region.base_addr + 3 * region.block_stride + 2 * lay.token_bytes == (
+            t[3, 2].data_ptr()
+        )
+    rows = block_row_views(views)
+    assert all(r.shape == (B, N * width * elt) for r in rows)
+    with pytest.raises(ValueError, match="one head"):
+        vllm_kv_caches(L, B, 2, N, width, latent=True)
+
+
+def test_a_latent_rank_holds_its_latent_blocks() -> None:
+    width = 12
+    spec = RankSpec(
+        "P",
+        "p",
+        0,
+        1,
+        1,
+        num_layers=L,
+        num_blocks=B,
+        block_size=N,
+        num_kv_heads=1,
+        token_bytes=width * 2,
+        kv_layout="LBHNC",
+        latent=True,
+    )
+    kv = VllmKV(spec)
+    assert all(t.shape == (B, N, width) for t in kv.views.values())
+    assert kv.layout.token_bytes == spec.token_bytes and kv.layout.num_heads == 1
+    sums = kv.block_sums([4, 1])
+    assert sums.shape == (L, 2) and (sums > 0).all()  # P's seeded bytes are never 0
 
 
 def test_unreadable_layouts_and_mismatches_are_clear_errors() -> None:
