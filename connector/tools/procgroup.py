@@ -1,7 +1,8 @@
 """A child server's process group, read from /proc and signalled as a whole.
 
 Owns: ``group_pids``, ``group_rss_bytes`` and ``group_cpu_s`` (the live processes of a group,
-their summed RSS and CPU time: a vLLM server is an API process, an engine core and workers),
+exited ones awaiting reaping left out, and their summed RSS and CPU time: a vLLM server is an
+API process, an engine core and workers),
 ``group_states`` and ``group_stopped`` (the whole group frozen by SIGSTOP, as on a hung host,
 and continued on the way out) and ``stop_process_group`` (SIGTERM the leader, then the group,
 then SIGKILL; reaped).
@@ -19,14 +20,33 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _stat(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and process group, None if it is gone (Linux /proc)."""
+    try:
+        # Fields after the ")" of comm: state ppid pgrp ...
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running(stat: tuple[str, int] | None, pgid: int) -> bool:
+    # A zombie (Z) or dead (X) process has exited: it holds no port, memory or CPU, and an
+    # orphaned one waits for PID 1 to reap it, which can take seconds (this CI VM's init
+    # reaps about once a second), so it does not count as a live member of the group.
+    return stat is not None and stat[1] == pgid and stat[0] not in ("Z", "X")
+
+
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (exited ones awaiting reaping do not)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, but not ours: never signal it
         return False
-    return True
+    # The leader running answers it with one read; else look for any other member.
+    return _running(_stat(pgid), pgid) or bool(group_pids(pgid))
 
 
 def group_rss_bytes(pgid: int) -> int:
@@ -44,29 +64,18 @@ def group_rss_bytes(pgid: int) -> int:
 
 
 def group_pids(pgid: int) -> list[int]:
-    """Every live process in group ``pgid`` (Linux /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # Fields after the ")" of comm: state ppid pgrp ...
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue  # exited while we looked
-    return pids
+    """Every live process in group ``pgid``: not those that exited and wait to be reaped
+    (Linux /proc)."""
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and _running(_stat(int(entry.name)), pgid)
+    ]
 
 
 def group_states(pgid: int) -> dict[int, str]:
     """Each live process of group ``pgid`` and its state letter (``T``: stopped by a signal)."""
-    states = {}
-    for pid in group_pids(pgid):
-        try:
-            states[pid] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # exited while we looked
-    return states
+    return {pid: stat[0] for pid in group_pids(pgid) if (stat := _stat(pid)) is not None}
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """A child's whole process group frozen by SIGSTOP for a block and continued after it, also
-when the block raises (the e2e test of a hung P relies on that to leave no P stopped)."""
+when the block raises (the e2e test of a hung P relies on that to leave no P stopped); a
+member that exited is no live member while it waits to be reaped."""
 
 from __future__ import annotations
 
@@ -8,10 +9,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from connector.tools.procgroup import group_states, group_stopped
+from connector.tools.procgroup import (
+    group_pids,
+    group_states,
+    group_stopped,
+    stop_process_group,
+)
 
 WAIT_S = 10.0  # signals and /proc are quick; this only bounds a broken test
 
@@ -51,3 +58,30 @@ def test_the_group_continues_when_the_block_raises(group: int) -> None:
         _until(lambda: _all(group, stopped=True), f"not all stopped: {group_states(group)}")
         raise RuntimeError("assertion in the block")
     _until(lambda: _all(group, stopped=False), f"not all continued: {group_states(group)}")
+
+
+def _members(pgid: int) -> dict[int, str]:
+    """Every process of the group with its state, the exited ones awaiting reaping too."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or gone
+        if int(fields[2]) == pgid:
+            out[int(entry.name)] = fields[0]
+    return out
+
+
+def test_a_member_that_exited_is_not_live_while_it_waits_to_be_reaped() -> None:
+    """A zombie holds no port, memory or CPU; waiting for its reaping (an orphan's is up to
+    PID 1, seconds late on some hosts) only makes every stop slower."""
+    # The leader's child exits at once; the leader (sleep, after exec) never reaps it.
+    proc = subprocess.Popen(["sh", "-c", "true & exec sleep 60"], start_new_session=True)
+    try:
+        _until(lambda: "Z" in _members(proc.pid).values(), "the child never exited")
+        assert group_pids(proc.pid) == [proc.pid]
+        assert list(group_states(proc.pid)) == [proc.pid]
+    finally:
+        stop_process_group(proc, WAIT_S)
+    assert proc.returncode is not None and group_pids(proc.pid) == []
