@@ -5,10 +5,12 @@ block ends; ``send(client, k, i)`` sends client ``k``'s ``i``-th request and ret
 answer (anything with a ``started`` time). ``wait_until``: a bounded poll that fails the test
 naming what it waited for; ``wait_restarted``: the same for a restarted server's /health,
 failing at once if its process exits. ``http_client``: loopback, no proxies.
+``concurrently``: calls in threads of their own, all waited for (the servers' warm-ups).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,16 @@ A = TypeVar("A", bound=_Timed)
 
 def http_client(url: str, timeout_s: float) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout_s, trust_env=False)
+
+
+def concurrently(*calls: Callable[[], object]) -> None:
+    """Run each of ``calls`` in a thread of its own and wait for all; the first one's error
+    (in the order given) is raised. A fresh server's first request takes seconds of its own
+    core's time: servers on other cores take theirs meanwhile."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(calls))) as pool:
+        futures = [pool.submit(call) for call in calls]
+    for future in futures:
+        future.result()
 
 
 def wait_until(

@@ -32,6 +32,7 @@ from connector.tools.hoststack import HostStack
 from connector.tools.pdstack import PdStack
 from connector.tools.tinymodel import make_tiny_model
 from tests.e2e import shared_1p2d
+from tests.e2e.clients import concurrently
 
 # Children inherit this; the tests never reach the hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -171,9 +172,11 @@ def running_pd(
         print(f"\n[pd] push stack healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
         with pd_clients(stack) as clients:
             t0 = time.monotonic()
-            _warm_up(clients.prefill)
-            _warm_up(clients.decode, cache_salt=uuid.uuid4().hex)
-            _warm_up(clients.router)
+            concurrently(
+                lambda: _warm_up(clients.prefill),
+                lambda: _warm_up(clients.decode, cache_salt=uuid.uuid4().hex),
+            )
+            _warm_up(clients.router)  # its legs reach warm servers
             print(f"[pd] warm-up (P, D, router) took {time.monotonic() - t0:.1f} s")
             yield clients
     finally:

@@ -15,6 +15,7 @@ last user.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from connector.tools.pdstack import (
     trace_env,
 )
 from connector.tools.stack import ServerError
+from tests.e2e.clients import concurrently
 from tests.e2e.greedy import greedy_body
 
 FIXTURE = "one_p_two_d"  # the conftest fixture's name, which its ordering hook looks for
@@ -52,11 +54,10 @@ def start(model: Path, run_dir: Path) -> HostStack:
     try:
         s.start(START_TIMEOUT_S)
         print(f"\n[1p2d] healthy after {s.start_duration_s:.1f} s\n{s.describe()}")
-        # A fresh server's first logprobs requests take seconds.
-        for url in (*[x.url for x in s.servers], s.url):
-            with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False) as c:
-                resp = c.post("/v1/completions", json=greedy_body("warm up", max_tokens=2))
-                assert resp.status_code == 200, f"warm-up via {url}: {resp.text}"
+        # A fresh server's first logprobs requests take seconds: every server's at once,
+        # then the router's.
+        concurrently(*(functools.partial(_warm_up, x.url) for x in s.servers))
+        _warm_up(s.url)
     except ServerError:
         print(f"\n[1p2d] errors in the servers' logs:\n{s.log_errors()}")
         s.stop()
@@ -65,6 +66,12 @@ def start(model: Path, run_dir: Path) -> HostStack:
         s.stop()
         raise
     return s
+
+
+def _warm_up(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False) as c:
+        resp = c.post("/v1/completions", json=greedy_body("warm up", max_tokens=2))
+        assert resp.status_code == 200, f"warm-up via {url}: {resp.text}"
 
 
 class AnyHealth(RouterProcess):

@@ -11,6 +11,7 @@ reason, only where namespaces cannot be created (not root).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections import Counter
@@ -33,7 +34,7 @@ from telemetry.critical_path import critical_path
 from telemetry.otlp_json import Trace
 from telemetry.schema import Attr, Event, Metric, Resource, Span
 from telemetry.traces import RunTraces, read_run
-from tests.e2e.clients import Load, wait_until
+from tests.e2e.clients import Load, concurrently, wait_until
 from tests.e2e.greedy import MAX_TOKENS, assert_matches_reference, greedy_body
 from tests.e2e.test_push_e2e import post_ok, random_prompt, source_tokens
 
@@ -100,10 +101,13 @@ def hosts(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Hosts]:
         raise
     try:
         print(f"\n[hosts] 2P2D healthy after {stack.start_duration_s:.1f} s\n{stack.describe()}")
-        for s in stack.prefills:
-            _warm_up(s.url)
-        for s in stack.decodes:
-            _warm_up(s.url, cache_salt=uuid.uuid4().hex)
+        concurrently(
+            *(functools.partial(_warm_up, s.url) for s in stack.prefills),
+            *(
+                functools.partial(_warm_up, s.url, cache_salt=uuid.uuid4().hex)
+                for s in stack.decodes
+            ),
+        )
         _warm_up(stack.url)
         # The single instance: each prompt straight to a D, computed there (a fresh salt).
         refs = []

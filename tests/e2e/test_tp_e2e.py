@@ -20,6 +20,7 @@ import pytest
 
 from connector.tools.hoststack import HostStack, Instance
 from telemetry.schema import Attr, Span
+from tests.e2e.clients import concurrently
 from tests.e2e.greedy import MAX_TOKENS, choice, greedy_body, top_gaps
 from tests.e2e.test_push_e2e import post_ok, random_prompt
 from tests.e2e.transfer_spans import done_transfers, transfer_trace, wait_for_transfers
@@ -73,16 +74,19 @@ def tp_stack(
     stack.start(START_TIMEOUT_S)
     try:
         print(f"\n[tp] {request.param} healthy after {stack.start_duration_s:.1f} s")
-        for url, extra in (
-            (stack.prefills[0].url, {}),
-            (stack.decodes[0].url, {"cache_salt": "w"}),
-            (stack.url, {}),
-        ):
-            with _client(url) as c:
-                post_ok(c, "/v1/completions", greedy_body("warm up", max_tokens=2, **extra))
+        concurrently(  # the servers at once, then the router
+            lambda: _warm_up(stack.prefills[0].url),
+            lambda: _warm_up(stack.decodes[0].url, cache_salt="w"),
+        )
+        _warm_up(stack.url)
         yield stack
     finally:
         stack.stop()
+
+
+def _warm_up(url: str, **extra: object) -> None:
+    with _client(url) as c:
+        post_ok(c, "/v1/completions", greedy_body("warm up", max_tokens=2, **extra))
 
 
 def agreed(got: dict[str, Any], ref: dict[str, Any], other_tp: dict[str, Any], what: str) -> int:
