@@ -11,9 +11,10 @@ failing at once if its process exits. ``http_client``: loopback, no proxies.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 import httpx
@@ -78,7 +79,8 @@ def wait_restarted(what: str, server: VllmServer, timeout_s: float) -> float:
 
 
 class Load(Generic[A]):
-    """``clients`` threads, each sending one request after another until stopped."""
+    """``clients`` threads, each sending one request after another until stopped; none
+    starts one while ``paused``."""
 
     def __init__(
         self,
@@ -90,6 +92,8 @@ class Load(Generic[A]):
         self.url, self._send, self._timeout_s = url, send, timeout_s
         self.answers: list[A] = []
         self._stop = threading.Event()
+        self._go = threading.Event()  # cleared while paused; set again to stop
+        self._go.set()
         self._threads = [
             threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(clients)
         ]
@@ -97,7 +101,7 @@ class Load(Generic[A]):
     def _client(self, k: int) -> None:
         with http_client(self.url, self._timeout_s) as c:
             i = 0
-            while not self._stop.is_set():
+            while self._go.wait() and not self._stop.is_set():
                 i += 1
                 self.answers.append(self._send(c, k, i))
 
@@ -108,9 +112,19 @@ class Load(Generic[A]):
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        self._go.set()
         for t in self._threads:
             t.join(self._timeout_s + 10)
         assert not any(t.is_alive() for t in self._threads), "a client never returned"
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No client starts a request in the block (those in flight end as usual)."""
+        self._go.clear()
+        try:
+            yield
+        finally:
+            self._go.set()
 
     def count(self, since: float = 0.0) -> int:
         return sum(1 for a in list(self.answers) if a.started >= since)

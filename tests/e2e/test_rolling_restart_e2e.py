@@ -2,7 +2,10 @@
 the routing tests share, tests/e2e/shared_1p2d.py; this test runs after them) and a router of
 its own with the default policy, clients sending all along; P is drained at the router and
 SIGTERMed at once (its legs and pushes still in flight), restarted and undrained; then the same
-for one D while the other serves.
+for one D while the other serves. The clients hold (``Load.paused``) only while the restarted
+server boots and takes its warm-up request, once as many answers as there are clients came
+without it: their load there would only slow its boot (it shares the two cores with the
+others).
 
 vLLM runs with ``--shutdown-timeout 5`` (``connector.tools.stack``): on SIGTERM it takes no
 new request and steps until those in flight end; pushkv's transfer thread finishes the WRITEs
@@ -12,11 +15,12 @@ already posted and, ``shutdown_grace_s`` later, ends every transfer still waitin
 router retries, so a lost transfer would show as latency, a lost request as a failure.
 
 Checked: every request answers 200 with the single instance's greedy answer (each request
-has a cache salt of its own, so each is computed and pushed, never a prefix-cache hit); no
-request takes longer than the baseline's slowest plus ``EXTRA_BOUND_S``; P and the drained
-D are each used again once undrained (after one warm-up request, as a readiness check would
-send: a fresh server's first requests are slow); and each exits within ``STOP_BOUND_S`` of
-its SIGTERM. Every server is stopped by ``HostStack.stop`` by its process group's PID.
+has a cache salt of its own, so each is computed and pushed, never a prefix-cache hit); the
+others answer while a server is down; no request takes longer than the baseline's slowest
+plus ``EXTRA_BOUND_S``; P and the drained D are each used again once undrained (after one
+warm-up request, as a readiness check would send: a fresh server's first requests are slow);
+and each exits within ``STOP_BOUND_S`` of its SIGTERM. Every server is stopped by
+``HostStack.stop`` by its process group's PID.
 """
 
 from __future__ import annotations
@@ -101,6 +105,12 @@ def _backend(router: httpx.Client, role: str, i: int) -> dict[str, Any]:
     return entry
 
 
+def _answered(load: Load[Answer], what: str, since: float | None = None) -> None:
+    """As many answers as there are clients, to requests sent from ``since`` (now) on."""
+    t = time.monotonic() if since is None else since
+    wait_until(what, lambda: load.count(since=t) >= CLIENTS, 60)
+
+
 def _restart(
     router: httpx.Client, load: Load[Answer], role: str, i: int, server: HostedServer
 ) -> tuple[float, str]:
@@ -114,17 +124,25 @@ def _restart(
     server.stop(2 * STOP_BOUND_S)  # SIGTERM to its leader; SIGKILL only past the bound
     stopped = time.monotonic() - t0
     assert stopped < STOP_BOUND_S, f"{role} {i} took {stopped:.1f} s to shut down"
+    # Answers meanwhile (by the other D, or by D alone for P).
+    _answered(load, f"answers while {role} {i} is down", since=t0)
     server.log_path = server.log.with_name(f"{server.log.stem}-restarted.log")
-    server.start()
-    t1 = time.monotonic()
-    wait_restarted(f"the restarted {role}", server, START_TIMEOUT_S)
-    healthy = time.monotonic() - t1
-    # Warmed up before it takes legs, as an operator's readiness check would: a fresh
-    # server's first requests take seconds (13 s seen on a loaded box), not the restart's doing.
-    with _client(server.url) as c:
-        post_ok(c, "/v1/completions", greedy_body(random_prompt(20, seed=2)))
-    # Answers that went on meanwhile (the other D, or D alone for P).
-    assert load.count(since=t0) > 0, f"no request was answered while {role} {i} restarted"
+    # The load holds while it boots and warms up: a boot that shares the cores with the
+    # load only takes longer (the others serving without it is shown above).
+    with load.paused():
+        server.start()
+        t1 = time.monotonic()
+        wait_restarted(f"the restarted {role}", server, START_TIMEOUT_S)
+        healthy = time.monotonic() - t1
+        # Warmed up before it takes legs, as an operator's readiness check would: a fresh
+        # server's first requests take seconds (13 s seen on a loaded box).
+        tw = time.monotonic()
+        with _client(server.url) as c:
+            post_ok(c, "/v1/completions", greedy_body(random_prompt(20, seed=2)))
+        warm = time.monotonic() - tw
+    # Back to the steady load before it rejoins, and again before the next restart: not a
+    # burst of the clients' first requests at the moment a server is drained and SIGTERMed.
+    _answered(load, f"answers before {role} {i} is undrained")
     used = _backend(router, role, i)["dispatched"]
     r = router.post(f"{ADMIN}/{role}/{i}/undrain")
     assert r.status_code == 200 and not r.json()["draining"], r.text
@@ -133,9 +151,11 @@ def _restart(
         lambda: _backend(router, role, i)["dispatched"] > used,
         60,
     )
+    _answered(load, f"answers after {role} {i} is undrained")
     return t0, (
         f"{role} {i}: {outstanding} legs in flight at SIGTERM, exited in {stopped:.1f} s, "
-        f"healthy {healthy:.1f} s after its start"
+        f"healthy {healthy:.1f} s after its start, warm {warm:.1f} s later; restart "
+        f"{time.monotonic() - t0:.1f} s"
     )
 
 
