@@ -14,9 +14,9 @@ from typing import Any
 HTML, PNG = "sweep.html", "sweep.png"
 
 
-def write_figures(run_dir: Path, data: dict[str, Any]) -> list[str]:
-    """Write the figure of ``data`` (a ``sweep.json``) into ``run_dir``; one line per file
-    written or skipped, for the log."""
+def write_figures(run_dir: Path, data: dict[str, Any], png: bool = True) -> list[str]:
+    """Write the figure of ``data`` (a ``sweep.json``) into ``run_dir``, as PNG too with
+    ``png``; one line per file written or skipped, for the log."""
     try:
         from dashboard.sweeps import figure, points_frame
     except ImportError as exc:  # plotly or pandas missing: the dashboard extra
@@ -32,6 +32,8 @@ def write_figures(run_dir: Path, data: dict[str, Any]) -> list[str]:
     fig = figure(df, title)
     fig.write_html(run_dir / HTML, include_plotlyjs=True)
     lines = [f"figure {run_dir / HTML}"]
+    if not png:
+        return lines
     width = 360 * max(1, df["input_len"].nunique()) + 160
     try:
         fig.write_image(run_dir / PNG, width=width, height=fig.layout.height, scale=1.5)

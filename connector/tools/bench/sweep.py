@@ -154,7 +154,6 @@ def main(argv: Sequence[str]) -> int:
         n: [p for p in plan.points() if not sweep_points.is_done(run_dir, n, p)] for n in configs
     }
     total = sum(len(v) for v in todo.values())
-    records: list[dict[str, Any]] | None = None
     with zygote if total else contextlib.nullcontext(), _console(run_dir, total) as (log, advance):
         log(
             f"sweep {run_dir}: configs {configs}; lengths {plan.lengths}; rates {plan.rates}/s; "
@@ -177,21 +176,24 @@ def main(argv: Sequence[str]) -> int:
                 description = SINGLE_DESCRIPTION if name == SINGLE else CONFIGS[name].description
                 log(f"[{name}] {description}")
                 sweep_run.run_config(name, setup, todo[name], log, advance)
-                records = _publish(run_dir, meta, log)  # each stack's points as they end
-        if records is None:  # interleaved, or no stack ran: publish what the folder holds
-            records = _publish(run_dir, meta, log)
+                if name != configs[-1]:  # each stack's points as they end; the PNG once, below
+                    _publish(run_dir, meta, log, png=False)
+        records = _publish(run_dir, meta, log)
     complete = {(r["config"], r["point"]) for r in records if r["ok"]}
     wanted = {(n, p.name) for n in configs for p in plan.points()}
     return 0 if wanted <= complete else 1
 
 
-def _publish(run_dir: Path, meta: dict[str, Any], log: Log) -> list[dict[str, Any]]:
-    """``sweep.json``, ``report.md`` and the figures from every point written so far."""
+def _publish(
+    run_dir: Path, meta: dict[str, Any], log: Log, png: bool = True
+) -> list[dict[str, Any]]:
+    """``sweep.json``, ``report.md`` and the figures from every point written so far (the
+    PNG only with ``png``: its browser takes seconds to start)."""
     from connector.tools.bench import plots, sweep_report
 
     records = sweep_points.load_points(run_dir)
     data = sweep_points.write_sweep(run_dir, meta, records)
     (run_dir / "report.md").write_text(sweep_report.markdown(data))
-    for line in plots.write_figures(run_dir, data):
+    for line in plots.write_figures(run_dir, data, png):
         log(line)
     return records

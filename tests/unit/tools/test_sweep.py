@@ -118,7 +118,7 @@ def _fake_sweep(
     monkeypatch.setattr(trace_slices, "wait_quiet", lambda *a, **k: {})
     monkeypatch.setattr(sweep_run, "run_point", fake_point)
     monkeypatch.setattr(sweep, "resolve_model", lambda name: (tmp_path / name, {}))
-    monkeypatch.setattr(plots, "write_figures", lambda run_dir, data: [])  # tested below
+    monkeypatch.setattr(plots, "write_figures", lambda run_dir, data, png=True: [])  # tested below
     return ran
 
 
@@ -137,6 +137,21 @@ def test_a_resumed_sweep_runs_only_the_points_without_results(
     ran.clear()
     assert sweep.main(args) == 0
     assert ran == [("push", "in256-r4")]
+
+
+def test_each_stack_publishes_its_points_and_the_png_is_drawn_once_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_sweep(tmp_path, monkeypatch, {"single": 20.0, "push": 30.0})
+    drawn: list[tuple[int, bool]] = []
+
+    def figures(run_dir: Path, data: dict[str, Any], png: bool = True) -> list[str]:
+        drawn.append((len(data["points"]), png))
+        return []
+
+    monkeypatch.setattr(plots, "write_figures", figures)
+    assert sweep.main(["--smoke", "--run-dir", str(tmp_path / "run")]) == 0
+    assert drawn == [(2, False), (4, True)]  # after single's 2 points; at the end, all 4
 
 
 def test_interleave_runs_each_point_on_every_stack_back_to_back_alternating_first(
@@ -226,7 +241,7 @@ def test_rerender_recomputes_decompositions_from_the_points_traces(
 ) -> None:
     """A sweep run before a change of the critical-path model gets the new one's
     decompositions (and report) without running a point again."""
-    monkeypatch.setattr(plots, "write_figures", lambda run_dir, data: [])  # tested below
+    monkeypatch.setattr(plots, "write_figures", lambda run_dir, data, png=True: [])  # tested below
     plan = SweepPlan((128,), (1.0,), point_s=1.0, min_prompts=4)
     (point,) = plan.points()
     sweep_points.write_point(
