@@ -2,7 +2,7 @@
 same ``vllm-router`` (``--vllm-pd-disaggregation --kv-connector nixl``), on the tiny model,
 with the same requests: a cold first request (sequential) and 19 concurrent ones, whose
 greedy outputs equal the single instance's (tests/e2e/greedy.py's rule), D taking its
-prompts' KV from P (``vllm:prompt_tokens_by_source_total``).
+prompts' KV from P (``vllm:prompt_tokens_by_source_total``) for all prompts but at most one.
 
 The stack is the bench's ``vllm-push-vr`` configuration (``connector.tools.bench.stacks``):
 P, D and vllm-router started together, stopped by PID on the way out. No other e2e starts
@@ -48,6 +48,9 @@ def stand(tiny_model: Path, e2e_log_dir: Path) -> Iterator[Pd]:
 
 
 def test_cold_first_then_concurrent_requests_equal_single_instance(stand: Pd) -> None:
-    prompts, answers = cold_then_concurrent(stand, CONFIG)
+    # vLLM's own connector: once in CI (2-core, loaded) D computed one 20-token prompt itself
+    # (local_compute 20 of 2604, cold first request 46.5 s). That is vLLM's behaviour, not
+    # pushkv's; this baseline checks the stack serves right, so one prompt may fall back.
+    prompts, answers = cold_then_concurrent(stand, CONFIG, recomputed_prompts=1)
     for i, (prompt, got) in enumerate(zip(prompts, answers, strict=True)):
         assert_matches_reference(got, reference(stand, prompt), f"request {i}")
