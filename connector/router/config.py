@@ -53,27 +53,30 @@ PrefillCoords = Coordinates
 
 @dataclass(frozen=True)
 class CoordOverride:
-    """The ``--prefill-*`` flags of one P. A field left ``None`` comes from the probe."""
+    """The ``--prefill-*`` flags of one P. A field left ``None`` comes from the probe;
+    ``pp_size`` (P's pipeline stages) from the probe too, or 1 when the other four are set
+    and no probe runs."""
 
     engine_id: str | None = None
     host: str | None = None
     port: int | None = None
     tp_size: int | None = None
+    pp_size: int | None = None
 
     @property
     def complete(self) -> bool:
-        """All four set: no probe is needed for this P."""
+        """engine id, host, port and TP size set: no probe is needed for this P."""
         return None not in (self.engine_id, self.host, self.port, self.tp_size)
 
     @property
     def empty(self) -> bool:
-        return (self.engine_id, self.host, self.port, self.tp_size) == (None, None, None, None)
+        return self == CoordOverride()
 
     def apply(self, probed: PrefillCoords | None) -> PrefillCoords | None:
         """Flags win over what the probe learned; ``None`` if something is still unknown."""
         e, h, p, t = self.engine_id, self.host, self.port, self.tp_size
         if e is not None and h is not None and p is not None and t is not None:
-            return PrefillCoords(e, h, p, t)
+            return PrefillCoords(e, h, p, t, pp_size=self.pp_size or 1)
         if probed is None:
             return None
         out = structs.replace(
@@ -85,15 +88,17 @@ class CoordOverride:
                     ("host", self.host),
                     ("port", self.port),
                     ("tp_size", self.tp_size),
+                    ("pp_size", self.pp_size),
                 )
                 if v is not None
             },
         )
         # Per-rank lists that a changed field invalidates: ports follow the port, agent
-        # names the engine id, and both the TP size.
-        if out.port != probed.port or out.tp_size != probed.tp_size:
+        # names the engine id, and both the number of workers (TP size x stages).
+        workers = out.tp_size * out.pp_size != probed.tp_size * probed.pp_size
+        if out.port != probed.port or workers:
             out = structs.replace(out, ports=())
-        if out.engine_id != probed.engine_id or out.tp_size != probed.tp_size:
+        if out.engine_id != probed.engine_id or workers:
             out = structs.replace(out, agents=())
         return out
 
@@ -206,6 +211,11 @@ class RouterConfig:
                 raise ConfigError(f"--prefill-kv-port out of range: {o.port}")
             if o.tp_size is not None and o.tp_size < 1:
                 raise ConfigError(f"--prefill-tp-size must be >= 1: {o.tp_size}")
+            if o.pp_size is not None and o.pp_size < 1:
+                raise ConfigError(f"--prefill-pp-size must be >= 1: {o.pp_size}")
+            if o.pp_size not in (None, 1) and self.mode is not Mode.PUSH:
+                # vLLM's legs carry no stage count: only pushkv's D waits per stage.
+                raise ConfigError("--prefill-pp-size above 1 needs --mode push")
         if self.first_token is FirstToken.PREFILL and self.mode is not Mode.PUSH:
             raise ConfigError("--first-token prefill needs --mode push")
         if self.mode is Mode.VLLM_PUSH:
@@ -272,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-kv-host", nargs="+", metavar="HOST")
     g.add_argument("--prefill-kv-port", nargs="+", type=int, metavar="PORT")
     g.add_argument("--prefill-tp-size", nargs="+", type=int, metavar="N")
+    g.add_argument(
+        "--prefill-pp-size",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="P's pipeline stages (default: the probe's answer, or 1 without a probe)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="per-leg timeout, s")
     p.add_argument("--connect-timeout", type=float, default=5.0)
     p.add_argument("--health-interval", type=float, default=2.0)
@@ -351,13 +368,16 @@ def parse_args(argv: Sequence[str]) -> RouterConfig:
         hosts = _broadcast("prefill-kv-host", a.prefill_kv_host, n)
         ports = _broadcast("prefill-kv-port", a.prefill_kv_port, n)
         tps = _broadcast("prefill-tp-size", a.prefill_tp_size, n)
+        pps = _broadcast("prefill-pp-size", a.prefill_pp_size, n)
         mode = Mode(a.mode)
         overrides = []
         for i in range(n):
             tp = tps[i]
             if mode is Mode.VLLM_PUSH and tp is None:
                 tp = 1  # vLLM's own proxy defaults --prefill-tp-size to 1 as well
-            overrides.append(CoordOverride(ids[i], hosts[i], ports[i], tp))  # type: ignore[arg-type]
+            overrides.append(
+                CoordOverride(ids[i], hosts[i], ports[i], tp, pps[i])  # type: ignore[arg-type]
+            )
         return RouterConfig(
             prefill_urls=tuple(prefill),
             decode_urls=tuple(decode),

@@ -19,6 +19,7 @@ Must not import: uvicorn, ``connector.router.app`` / ``relay``.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -29,7 +30,7 @@ from connector.core.errors import ConfigError
 from connector.router.backends import Backends, Role
 from connector.router.config import CoordOverride, Mode, check_url
 
-_COORDS = {"engine_id": str, "kv_host": str, "kv_port": int, "tp_size": int}
+_COORDS = {"engine_id": str, "kv_host": str, "kv_port": int, "tp_size": int, "pp_size": int}
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -65,17 +66,24 @@ def parse_new_backend(raw: bytes, role: Role, mode: Mode) -> tuple[str, CoordOve
         url = check_url(body["url"])
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
-    o = CoordOverride(body.get("engine_id"), body.get("kv_host"), body.get("kv_port"), None)
-    if role is Role.DECODE and (not o.empty or body.get("tp_size") is not None):
+    o = CoordOverride(
+        body.get("engine_id"),
+        body.get("kv_host"),
+        body.get("kv_port"),
+        body.get("tp_size"),
+        body.get("pp_size"),
+    )
+    if role is Role.DECODE and not o.empty:
         raise ValueError("transfer coordinates are a prefill server's, not a decode server's")
-    tp = body.get("tp_size")
-    if mode is Mode.VLLM_PUSH and tp is None:
-        tp = 1  # as the --prefill-tp-size flag defaults in this mode
-    o = CoordOverride(o.engine_id, o.host, o.port, tp)
+    if mode is Mode.VLLM_PUSH and o.tp_size is None:
+        o = replace(o, tp_size=1)  # as the --prefill-tp-size flag defaults in this mode
     if o.port is not None and not 0 < o.port < 65536:
         raise ValueError(f"kv_port out of range: {o.port}")
-    if o.tp_size is not None and o.tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1: {o.tp_size}")
+    for key in ("tp_size", "pp_size"):
+        if (n := getattr(o, key)) is not None and n < 1:
+            raise ValueError(f"{key} must be >= 1: {n}")
+    if o.pp_size not in (None, 1) and mode is not Mode.PUSH:
+        raise ValueError("pp_size above 1 needs --mode push (vLLM's legs carry no stages)")
     if role is Role.PREFILL and mode is Mode.VLLM_PUSH and not o.complete:
         raise ValueError("--mode vllm-push needs engine_id, kv_host and kv_port for a new P")
     return url, o

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -145,6 +146,33 @@ async def test_vllm_push_needs_the_new_ps_coordinates(cluster: MakeCluster) -> N
         Mode.VLLM_PUSH,
     )
     assert url == "http://x:1" and o.complete and o.tp_size == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "mode", "error"),
+    [
+        ({"pp_size": 0}, Mode.PUSH, "pp_size must be >= 1"),
+        ({"pp_size": "2"}, Mode.PUSH, "'pp_size' must be an integer"),
+        ({"pp_size": 2}, Mode.PULL, "pp_size above 1 needs --mode push"),
+    ],
+)
+def test_a_new_ps_stages_are_checked(body: dict[str, object], mode: Mode, error: str) -> None:
+    from connector.router.backends import Role
+    from connector.router.membership import parse_new_backend
+
+    raw = json.dumps({"url": "http://x:1", **body}).encode()
+    with pytest.raises(ValueError, match=error):
+        parse_new_backend(raw, Role.PREFILL, mode)
+
+
+def test_a_new_ps_stages_reach_its_override() -> None:
+    from connector.router.backends import Role
+    from connector.router.membership import parse_new_backend
+
+    with pytest.raises(ValueError, match="a prefill server's, not a decode"):
+        parse_new_backend(b'{"url": "http://x:1", "pp_size": 1}', Role.DECODE, Mode.PUSH)
+    _, o = parse_new_backend(b'{"url": "http://x:1", "pp_size": 2}', Role.PREFILL, Mode.PUSH)
+    assert o.pp_size == 2 and not o.complete
 
 
 # -- removing ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import re
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from msgspec import structs
 
 from connector.core.errors import ConfigError, RemoteProtocolError
 from connector.router import legs
@@ -274,6 +275,8 @@ def test_parse_args_overrides_broadcast_or_per_prefill() -> None:
         ["--mode", "vllm-push", "--prefill-engine-id", "a"],  # no host/port
         ["--mode", "nope"],
         ["--timeout", "0"],
+        ["--prefill-pp-size", "0"],
+        ["--mode", "pull", "--prefill-pp-size", "2"],  # vLLM's legs carry no stages
     ],
 )
 def test_parse_args_rejects(extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -318,6 +321,24 @@ def test_override_apply() -> None:
     assert CoordOverride(tp_size=2).apply(ranked) == ranked
     full = CoordOverride("a", "b", 2, 3)
     assert full.complete and full.apply(None) == full.apply(probed) == PrefillCoords("a", "b", 2, 3)
+
+
+def test_override_of_ps_stages() -> None:
+    """Without a probe the stages come from --prefill-pp-size (else 1); over a probe, a
+    changed count of workers (TP x stages) drops the per-worker ports and agents."""
+    staged = PrefillCoords("e", "h", 1, 1, ports=(1, 5), agents=("e0", "e1"), pp_size=2)
+    assert CoordOverride("a", "b", 2, 1, pp_size=2).apply(None) == PrefillCoords(
+        "a", "b", 2, 1, pp_size=2
+    )
+    assert CoordOverride(host="x").apply(staged) == structs.replace(staged, host="x")
+    assert CoordOverride(pp_size=2).apply(staged) == staged
+    assert CoordOverride(pp_size=1).apply(staged) == PrefillCoords("e", "h", 1, 1)
+    # Two workers either way: TP 2 x 1 stage has as many as TP 1 x 2 stages.
+    assert CoordOverride(tp_size=2, pp_size=1).apply(staged) == PrefillCoords(
+        "e", "h", 1, 2, ports=(1, 5), agents=("e0", "e1")
+    )
+    cfg = parse_args([*TWO_PREFILLS, "--prefill-pp-size", "2", "1"])
+    assert [o.pp_size for o in cfg.prefill_overrides] == [2, 1]
 
 
 def test_router_modes_are_the_schema_mode_values() -> None:
