@@ -141,9 +141,9 @@ def test_killing_one_p_ends_only_its_transfers_at_ds_next_heartbeat(
     outcome = {x.transfer_id: (x.ok, x.reason) for x in d.received}
     assert outcome["from-p2"] == (True, None), outcome
     assert outcome["from-p1"] == (False, m.FailReason.PEER_LOST), outcome
-    # Known as gone at D's next heartbeat (plus a loaded box's scheduling), not at a dial
-    # timeout or D's 30 s deadline.
-    assert took < HEARTBEAT_MS / 1000 + 1.5, f"P1's death known after {took:.2f} s"
+    # Known as gone at D's next heartbeat (plus a loaded box's scheduling: up to 3 s on a
+    # busy 2-core host), not at a dial deadline (5 s, peers.Peers) or D's 30 s deadline.
+    assert took < HEARTBEAT_MS / 1000 + 3.0, f"P1's death known after {took:.2f} s"
     print(f"\n[dead peers] P1's transfer ended {time.monotonic() - killed:.3f} s after its kill")
     # A new transfer from the dead P ends at once: refused, then backing off.
     t0 = time.monotonic()
@@ -151,4 +151,6 @@ def test_killing_one_p_ends_only_its_transfers_at_ds_next_heartbeat(
     d.wait("the late transfer's end", lambda r: any(x.transfer_id == "late" for x in r.received), 5)
     (late,) = [x for x in d.received if x.transfer_id == "late"]
     assert (late.ok, late.reason) == (False, m.FailReason.PEER_LOST)
-    assert time.monotonic() - t0 < 1.0
+    # At once, from the backoff: well under half the 5 s dial deadline a new dial would take.
+    late_s = time.monotonic() - t0
+    assert late_s < 2.5, f"the late transfer ended after {late_s:.2f} s"

@@ -341,7 +341,8 @@ def test_unreachable_peer_fails_within_the_timeout(
             p.connect("decode", "127.0.0.1", port, timeout_s=1.0)
         took = time.monotonic() - start
         print(f"{peer_kind}: PeerUnreachable after {took * 1e3:.0f} ms: {info.value}")
-        assert 1.0 <= took < 3.0, took  # never waits on the dial in flight
+        # Never waits on the dial in flight (60 s side timeout); 5 s covers a loaded box.
+        assert 1.0 <= took < 6.0, took
         assert {
             "nobody": "ConnectionRefusedError",
             "black_hole": "in flight",
