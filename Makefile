@@ -22,8 +22,9 @@ venv: $(STAMP)
 # Precise CPU and time budgets are `perf` tests: CI runs them with generous bounds only.
 # Pure unit tests first: `.ci/run` installs the vLLM 0.26 venv beside them (tests that start
 # servers come after, on a quieter machine).
+# The slowest 40 are listed at the end: where CI's time goes, on whichever machine ran it.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not perf" tests/unit tests/docs tests/integration tests/browser tests/e2e
+	$(PY) -m pytest -q -m "not perf" --durations=40 tests/unit tests/docs tests/integration tests/browser tests/e2e
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
