@@ -4,17 +4,24 @@ the connector, the path each transfer took, and one trace per request.
 
     python -m bench.gpu_serve_check --model /tmp/models/llama8b --out $OUT/check
 
-Checks, per prompt length (random token ids):
+Checks, per prompt length (random token ids; by default one past a multiple of 64, so
+that D's cached answer below computes exactly the last prompt token, as D does after a push,
+whatever vLLM's block size: 16, or 64 for FlashMLA):
 - tokens through the router against D alone's, asked twice with one fresh cache_salt: the
   second answer reads the prompt's KV from D's own prefix cache and computes only the tail,
-  the same path as D reading P's pushed KV, so it is the reference. P/D agrees if it passes
-  the end-to-end tests' rule (tests/e2e/greedy.py: tokens equal but past a near-tie, logprobs
+  the same path as D reading P's pushed KV, so it is the reference. The tail's length
+  matters for MLA: one token runs vLLM's decode kernel (absorbed query), more its prefill
+  kernel, and on a random-weight DeepSeek-V3 rank the two part at the first token
+  (bench/results/gpu-20261207c-h100/README.md). P/D agrees if it passes the end-to-end
+  tests' rule (tests/e2e/greedy.py: tokens equal but past a near-tie, logprobs
   within LOGPROB_TOL) or stays within D's own two-path floor: D's first (cold, whole prompt
   in one prefill) answer against its second. On random bf16 weights on an H100 those two
   parted at token 9 of 16 and differed by 0.40 in logprob at 16k tokens
   (bench/results/gpu-20261205-h100/check.txt), above the CPU tests' tolerance; wrong KV
   parts at the first tokens, far below any floor that keeps nine;
 - D took every prompt token from P (``vllm:prompt_tokens_by_source_total``: external only);
+- D's KV equals what P pushed (``kv_checksum_every`` 1 by default: P's device-side digest
+  with each completion, D's check of its blocks; every await_kv span says ``ok``);
 - every request is one trace holding the router's, P's and D's spans;
 and records the KV layout and attention backend (from the servers' logs) and each WRITE's
 path, descriptors, bytes and time (from P's spans). Exit 1 if a check fails.
@@ -172,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         *(["--gpu-memory-utilization", str(args.gpu_share)] if gpu else []),
         *args.server_args.split(),
     ]
+    extra = {"xfer_paths": args.xfer_paths, "kv_checksum_every": args.kv_checksum_every}
     stack = PdStack(
         args.model,
         out,
@@ -180,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_gpus=args.gpu if gpu else None,
         decode_gpus=args.gpu if gpu else None,
         kv_buffer_device="cuda" if gpu else "cpu",
-        decode_extra_config={"xfer_paths": args.xfer_paths},
-        prefill_extra_config={"xfer_paths": args.xfer_paths},
+        decode_extra_config=extra,
+        prefill_extra_config=extra,
     )
     for srv in (stack.prefill, stack.decode):
         srv.kv_cache_memory_bytes = args.kv_cache_bytes
@@ -259,6 +267,12 @@ def run(args: argparse.Namespace) -> int:
     one_trace = shape["requests"] == shape["complete"] == len(args.lengths) + 1
     ok &= one_trace
     print(f"traces: {shape} ({'ok' if one_trace else 'FAIL'}: one per request through P/D)")
+    checks = kv_checks(out)
+    report["kv_checks"] = checks
+    if args.kv_checksum_every == 1:  # every transfer through P/D checked, every one equal
+        kv_ok = checks == {"ok": len(args.lengths) + 1}
+        ok &= kv_ok
+        print(f"D's KV checks: {checks} ({'ok' if kv_ok else 'FAIL'}: D's blocks equal P's)")
     for side in ("prefill_log", "decode_log"):
         print(f"{side}:")
         for line in report[side]:
@@ -277,11 +291,22 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def kv_checks(run_dir: Path) -> dict[str, int]:
+    """D's verdicts on the digests P sent (await_kv spans' ``kv_check``), by verdict;
+    ``unchecked`` for a transfer D did not check."""
+    verdicts: dict[str, int] = {}
+    for t in read_run(run_dir).traces:
+        for a in t.named(Span.AWAIT_KV.value):
+            v = str(a.attr(Attr.KV_CHECK.value) or "unchecked")
+            verdicts[v] = verdicts.get(v, 0) + 1
+    return verdicts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_serve_check", description=__doc__)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--lengths", type=int, nargs="+", default=[16, 200, 1024, 4096, 16384])
+    p.add_argument("--lengths", type=int, nargs="+", default=[17, 257, 1025, 4097, 16385])
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--gpu", default="0", help="CUDA_VISIBLE_DEVICES of both servers")
     p.add_argument(
@@ -289,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--xfer-paths", default="auto", choices=("auto", "direct", "ipc"))
+    p.add_argument(
+        "--kv-checksum-every",
+        type=int,
+        default=1,
+        help="pushkv's kv_checksum_every on both sides (1: every transfer checked; 0: off)",
+    )
     p.add_argument("--server-args", default="", help="more vLLM flags for both servers")
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument(

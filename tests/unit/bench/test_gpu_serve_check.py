@@ -4,9 +4,16 @@ an answer that parts earlier than D's own paths or moves logprobs further does n
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from bench.gpu_serve_check import deviation, within_floor
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from bench.gpu_serve_check import deviation, kv_checks, within_floor
+from telemetry.exporters import JsonLinesSpanExporter
+from telemetry.schema import Attr, Span
 
 
 def answer(tokens: list[str], lps: list[float]) -> dict[str, Any]:
@@ -53,3 +60,17 @@ def test_parting_earlier_than_ds_own_paths_or_further_logprobs_fails() -> None:
         {"same_tokens": 0, "max_logprob_diff": 0.0},
         0.4,
     )
+
+
+def test_kv_checks_counts_ds_verdicts_and_unchecked_transfers(tmp_path: Path) -> None:
+    """What the check gates on with kv_checksum_every 1: every await_kv of D says ok."""
+    exporter = JsonLinesSpanExporter(tmp_path / "traces-pushkv-decode-1.jsonl")
+    provider = TracerProvider(resource=Resource.create({"service.name": "pushkv-decode"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t")
+    for verdict in ("ok", "ok", "mismatch", None):
+        attrs = {} if verdict is None else {Attr.KV_CHECK.value: verdict}
+        tracer.start_span(Span.AWAIT_KV.value, attributes=attrs).end()
+    tracer.start_span(Span.WRITE.value).end()  # not D's wait: not counted
+    provider.shutdown()
+    assert kv_checks(tmp_path) == {"ok": 2, "mismatch": 1, "unchecked": 1}
