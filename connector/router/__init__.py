@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig, parse_args
+from connector.router.config import Mode, RouterConfig, parse_args
+from connector.router.coords import CoordOverride, PrefillCoords
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette

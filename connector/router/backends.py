@@ -22,7 +22,8 @@ from typing import Any
 from connector.core.errors import RemoteProtocolError
 from connector.router import legs, signals
 from connector.router.chooser import Choice, Chooser
-from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig
+from connector.router.config import Mode, RouterConfig
+from connector.router.coords import CoordOverride, PrefillCoords
 from connector.router.policy import BackendLoad, Health, choose, unavailable_reason
 from connector.router.upstream import Reply, TransportError, Upstream
 

@@ -1,8 +1,8 @@
 """The router's configuration: one validated, frozen ``RouterConfig``, and its CLI parser.
 
-Owns: ``Mode``, ``FirstToken``, ``PrefillCoords`` (where D must reach P's KV),
-``CoordOverride`` (the ``--prefill-*`` flags of one P), ``RouterConfig`` and ``parse_args``.
-Nothing else in the router reads raw flags.
+Owns: ``Mode``, ``FirstToken``, ``RouterConfig`` and ``parse_args`` (one P's ``--prefill-*``
+flags become a ``connector.router.coords.CoordOverride``). Nothing else in the router reads
+raw flags.
 
 Must not import: httpx, starlette, uvicorn, vLLM, NIXL (this is plain data; the CLI parses
 it before anything heavy is imported).
@@ -16,12 +16,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from msgspec import structs
-
 from connector.core.errors import ConfigError
-from connector.kv_params import MIN_SECRET_BYTES, Coordinates
+from connector.kv_params import MIN_SECRET_BYTES
 from connector.router import choice_args
 from connector.router.chooser import Policy
+from connector.router.coords import CoordOverride
 
 # Environment variables the router reads (docs/security.md): secrets stay off command lines.
 ENV_API_KEY = "PUSHKV_ROUTER_API_KEY"
@@ -44,63 +43,6 @@ class FirstToken(enum.Enum):
 
     DECODE = "decode"  # D, after the KV is in and its first step ran
     PREFILL = "prefill"  # P, the moment it answers; D continues from token 2
-
-
-# Where D reaches one P's KV: the connector's own type (connector/kv_params.py), so the
-# router and the scheduler role cannot drift apart.
-PrefillCoords = Coordinates
-
-
-@dataclass(frozen=True)
-class CoordOverride:
-    """The ``--prefill-*`` flags of one P. A field left ``None`` comes from the probe;
-    ``pp_size`` (P's pipeline stages) from the probe too, or 1 when the other four are set
-    and no probe runs."""
-
-    engine_id: str | None = None
-    host: str | None = None
-    port: int | None = None
-    tp_size: int | None = None
-    pp_size: int | None = None
-
-    @property
-    def complete(self) -> bool:
-        """engine id, host, port and TP size set: no probe is needed for this P."""
-        return None not in (self.engine_id, self.host, self.port, self.tp_size)
-
-    @property
-    def empty(self) -> bool:
-        return self == CoordOverride()
-
-    def apply(self, probed: PrefillCoords | None) -> PrefillCoords | None:
-        """Flags win over what the probe learned; ``None`` if something is still unknown."""
-        e, h, p, t = self.engine_id, self.host, self.port, self.tp_size
-        if e is not None and h is not None and p is not None and t is not None:
-            return PrefillCoords(e, h, p, t, pp_size=self.pp_size or 1)
-        if probed is None:
-            return None
-        out = structs.replace(
-            probed,
-            **{
-                k: v
-                for k, v in (
-                    ("engine_id", self.engine_id),
-                    ("host", self.host),
-                    ("port", self.port),
-                    ("tp_size", self.tp_size),
-                    ("pp_size", self.pp_size),
-                )
-                if v is not None
-            },
-        )
-        # Per-rank lists that a changed field invalidates: ports follow the port, agent
-        # names the engine id, and both the number of workers (TP size x stages).
-        workers = out.tp_size * out.pp_size != probed.tp_size * probed.pp_size
-        if out.port != probed.port or workers:
-            out = structs.replace(out, ports=())
-        if out.engine_id != probed.engine_id or workers:
-            out = structs.replace(out, agents=())
-        return out
 
 
 def check_url(url: str) -> str:

@@ -36,7 +36,8 @@ from connector.kv_params import (
     VllmPushDecodeLeg,
     parse_prefill_answer,
 )
-from connector.router.config import CoordOverride, Mode, PrefillCoords
+from connector.router.config import Mode
+from connector.router.coords import CoordOverride, PrefillCoords
 
 JsonObj = dict[str, Any]
 T = TypeVar("T")

@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from connector.core.errors import ConfigError
 from connector.router.backends import Backends, Role
-from connector.router.config import CoordOverride, Mode, check_url
+from connector.router.config import Mode, check_url
+from connector.router.coords import CoordOverride
 
 _COORDS = {"engine_id": str, "kv_host": str, "kv_port": int, "tp_size": int, "pp_size": int}
 

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from connector.router.config import CoordOverride, Mode
+from connector.router.config import Mode
+from connector.router.coords import CoordOverride
 from tests.unit.router.conftest import MakeCluster, p_pull_params
 from tests.unit.router.mock_backend import MockBackend
 from tests.unit.router.serving import within

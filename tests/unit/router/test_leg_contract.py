@@ -16,7 +16,8 @@ from connector.kv_params import (
     sign_decode_leg,
 )
 from connector.router import legs
-from connector.router.config import CoordOverride, Mode, PrefillCoords
+from connector.router.config import Mode
+from connector.router.coords import CoordOverride, PrefillCoords
 
 TP = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
 COORDS = PrefillCoords("p-engine", "10.0.0.1", 5600, 2, (5600, 5700), ("a0", "a1"))

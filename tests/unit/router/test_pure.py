@@ -11,7 +11,8 @@ from msgspec import structs
 
 from connector.core.errors import ConfigError, RemoteProtocolError
 from connector.router import legs
-from connector.router.config import CoordOverride, Mode, PrefillCoords, RouterConfig, parse_args
+from connector.router.config import Mode, RouterConfig, parse_args
+from connector.router.coords import CoordOverride, PrefillCoords
 from connector.router.policy import BackendLoad, Health, choose, unavailable_reason
 
 # -- policy ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from connector.router.config import CoordOverride, Mode
+from connector.router.config import Mode
+from connector.router.coords import CoordOverride
 from tests.unit.router.conftest import MakeCluster, p_coords
 from tests.unit.router.serving import within
 
