@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from connector.tools.pdstack import PdStack, metric_sum
-from telemetry.schema import Attr, Span
+from telemetry.schema import Attr, Event, Span
 from telemetry.traces import read_run
 from tests.e2e.greedy import LOGPROB_TOL, assert_greedy_agrees, choice, greedy_body
 
@@ -179,7 +179,11 @@ def run(args: argparse.Namespace) -> int:
         *(["--gpu-memory-utilization", str(args.gpu_share)] if gpu else []),
         *args.server_args.split(),
     ]
-    extra = {"xfer_paths": args.xfer_paths, "kv_checksum_every": args.kv_checksum_every}
+    extra = {
+        "xfer_paths": args.xfer_paths,
+        "kv_checksum_every": args.kv_checksum_every,
+        **json.loads(args.push_config),
+    }
     stack = PdStack(
         args.model,
         out,
@@ -267,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
     one_trace = shape["requests"] == shape["complete"] == len(args.lengths) + 1
     ok &= one_trace
     print(f"traces: {shape} ({'ok' if one_trace else 'FAIL'}: one per request through P/D)")
+    report["handovers"] = hand = handovers(out)
+    for key in ("counted_to_seen", "seen_to_scheduled", "scheduled_to_out"):
+        ms = sorted(round(h[key], 1) for h in hand)
+        print(f"D's handover, {key.replace('_', ' ')} ms: {ms}")
     checks = kv_checks(out)
     report["kv_checks"] = checks
     if args.kv_checksum_every == 1:  # every transfer through P/D checked, every one equal
@@ -289,6 +297,27 @@ def run(args: argparse.Namespace) -> int:
     (out / "check.json").write_text(json.dumps(report, indent=1, default=str))
     print("CHECK", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def handovers(run_dir: Path) -> list[dict[str, float]]:
+    """Per request through P/D, D's side of the handover from its traces, in ms: its
+    transfer thread counted the KV (await_kv's end) -> its scheduler saw it (first_token's
+    start) -> the request scheduled -> its first token out. Where a push's TTFT beyond P's
+    prefill goes on D (vLLM's async scheduling keeps a step queued ahead of the scheduler)."""
+    rows = []
+    for t in read_run(run_dir).traces:
+        ft, aw = t.first(Span.FIRST_TOKEN.value), t.first(Span.AWAIT_KV.value)
+        ev = ft.event(Event.SCHEDULED.value) if ft is not None else None
+        if ft is None or aw is None or ev is None:
+            continue
+        rows.append(
+            {
+                "counted_to_seen": (ft.start_ns - aw.end_ns) / 1e6,
+                "seen_to_scheduled": (ev.time_ns - ft.start_ns) / 1e6,
+                "scheduled_to_out": (ft.end_ns - ev.time_ns) / 1e6,
+            }
+        )
+    return rows
 
 
 def kv_checks(run_dir: Path) -> dict[str, int]:
@@ -321,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pushkv's kv_checksum_every on both sides (1: every transfer checked; 0: off)",
     )
     p.add_argument("--server-args", default="", help="more vLLM flags for both servers")
+    p.add_argument(
+        "--push-config",
+        default="{}",
+        help="more of pushkv's settings for both sides, as JSON: '{\"idle_step_wait_s\": 0}'",
+    )
     p.add_argument("--start-timeout", type=float, default=400.0)
     p.add_argument(
         "--cpu", action="store_true", help="a dry run of this script on vLLM's CPU build"
