@@ -52,7 +52,7 @@ class Backend:
     coords: PrefillCoords | None = None
     client: Upstream | None = None
     removed: bool = False  # forgotten (``Backends.remove``): its client is closed
-    # Set when its last leg ends, while ``wait_idle`` waits for that.
+    # Set when its last leg ends; ``wait_idle``'s waiters (an admin drain, a removal) share it.
     idle: asyncio.Event | None = field(default=None, repr=False)
     # One health check (and probe) at a time: two at once (the recheck loop's and a round's
     # or ``add``'s) would both see it come back and probe it twice.
@@ -72,14 +72,13 @@ class Backend:
         """True once no leg of this backend is in flight; False if ``timeout_s`` passed."""
         if self.load.outstanding == 0:
             return True
-        self.idle = asyncio.Event()
+        if self.idle is None or self.idle.is_set():  # one event for all who wait at once
+            self.idle = asyncio.Event()
         try:
             async with asyncio.timeout(timeout_s):
                 await self.idle.wait()
         except TimeoutError:
             return self.load.outstanding == 0
-        finally:
-            self.idle = None
         return True
 
     def record_leg_failure(self, *, suspect: bool) -> None:

@@ -7,6 +7,8 @@ client requests are in flight, so a shutdown can wait for them) and ``admin_rout
 - ``POST /admin/backends/{role}/{backend}/drain`` and ``.../undrain``: ``role`` is
   ``prefill`` or ``decode``, ``backend`` its index or its URL (percent-encoded). A draining
   backend gets no new legs; its legs in flight run on (``policy.BackendLoad.draining``).
+  ``drain?wait=S`` answers only once its last leg ended (409 if S seconds passed first):
+  one call for a rolling restart's step, or a Kubernetes preStop hook.
 
 The admin routes sit behind the same ``ApiKeyGate`` as every other route but ``/health``
 (``app.py``). SIGTERM's handling, which uses ``RouterDrain``, is ``serve.py``'s.
@@ -99,7 +101,18 @@ def admin_routes(backends: Backends) -> list[Route]:
         b = backends.find(role, key)
         if b is None:
             return _error(404, f"no {role.value} backend {key!r} (an index or a URL)")
+        wait = request.query_params.get("wait")
+        try:
+            wait_s = None if wait is None or action != "drain" else float(wait)
+        except ValueError:
+            return _error(400, f"wait must be a number of seconds, got {wait!r}")
         backends.set_draining(b, action == "drain")
+        if wait_s is not None and not await b.wait_idle(max(0.0, wait_s)):
+            return _error(
+                409,
+                f"{b.name}: {b.load.outstanding} leg(s) still in flight after {wait_s:g} s; "
+                "it stays draining (no new legs): drain?wait again, or check GET /admin/backends",
+            )
         body: dict[str, Any] = {"role": role.value, **b.stats()}
         return JSONResponse(body)
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.unit.router.conftest import MakeCluster
 from tests.unit.router.mock_backend import CHUNKS
-from tests.unit.router.serving import within
+from tests.unit.router.serving import until, within
 from tests.unit.router.test_choice_and_modes import COMPLETION
 from tests.unit.router.test_streaming import STREAM, sse_events
 
@@ -54,6 +54,40 @@ async def test_drained_d_gets_no_new_legs_while_its_leg_in_flight_completes(
     # Both idle, d0 has served fewer: it is back in rotation.
     assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
     assert (len(c.d[0].requests), len(c.d[1].requests)) == (2, 2)
+
+
+async def test_drain_with_wait_answers_once_the_last_leg_ended_or_409_past_its_bound(
+    cluster: MakeCluster,
+) -> None:
+    """``drain?wait=S``: a rolling restart's (or a preStop hook's) one call. It answers once
+    the backend has no leg in flight; past S seconds a 409 that says how many are left,
+    the backend staying drained."""
+    c = await cluster(1, 2)
+    c.d[0].gate, c.d[1].gate = asyncio.Event(), asyncio.Event()
+    first = asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
+    await c.d[0].wait_for(1, "the first request at d0")
+
+    drained = asyncio.create_task(c.client.post("/admin/backends/decode/0/drain?wait=60"))
+    d0 = c.state.backends.decode[0]
+    await until(lambda: d0.idle is not None, "the drain waiting for d0's leg")
+    assert not drained.done() and not first.done() and d0.load.draining
+    c.d[0].gate.set()  # its one leg ends
+    r = await within(drained, "the drain's answer once d0's leg ended")
+    assert r.status_code == 200 and r.json() | {"draining": True, "outstanding": 0} == r.json()
+    assert (await within(first, "d0's request in flight")).status_code == 200
+    r = await within(c.client.post("/admin/backends/decode/0/drain?wait=60"), "an idle drain")
+    assert r.status_code == 200 and r.json()["outstanding"] == 0  # already idle: at once
+
+    second = asyncio.create_task(c.client.post("/v1/completions", json=COMPLETION))
+    await c.d[1].wait_for(1, "the second request at d1 (d0 is drained)")
+    r = await c.client.post("/admin/backends/decode/1/drain?wait=0.05")
+    assert r.status_code == 409, r.text
+    assert "1 leg(s) still in flight after 0.05 s" in r.json()["error"]["message"]
+    assert c.state.backends.decode[1].load.draining
+    r = await c.client.post("/admin/backends/decode/1/drain?wait=soon")
+    assert r.status_code == 400 and "wait must be a number of seconds" in r.text
+    c.d[1].gate.set()
+    assert (await within(second, "d1's request in flight")).status_code == 200
 
 
 async def test_draining_the_only_p_serves_through_d_alone_and_only_d_is_503(
