@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     sub.add_parser(
+        "drain",
+        help="take a P or D out of rotation on every router and wait for its legs "
+        "(pushkv drain --help)",
+        add_help=False,
+    )
+    sub.add_parser(
         "collect",
         help="an OTLP/HTTP trace receiver writing JSON lines (pushkv collect --help)",
         add_help=False,
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from dashboard.launch import main as dashboard_main
 
         return dashboard_main(argv[1:])
+    if argv[:1] == ["drain"]:
+        from connector.router.drain_cli import main as drain_main
+
+        return drain_main(argv[1:])
     if argv[:1] == ["collect"]:
         from telemetry.collector import main as collect_main
 
