@@ -302,8 +302,8 @@ def run(args: argparse.Namespace) -> int:
 def handovers(run_dir: Path) -> list[dict[str, float]]:
     """Per request through P/D, D's side of the handover from its traces, in ms: its
     transfer thread counted the KV (await_kv's end) -> its scheduler saw it (first_token's
-    start) -> the request scheduled -> its first token out. Where a push's TTFT beyond P's
-    prefill goes on D (vLLM's async scheduling keeps a step queued ahead of the scheduler)."""
+    start) -> the request scheduled -> its first token out: where a push's TTFT beyond P's
+    prefill goes on D."""
     rows = []
     for t in read_run(run_dir).traces:
         ft, aw = t.first(Span.FIRST_TOKEN.value), t.first(Span.AWAIT_KV.value)
