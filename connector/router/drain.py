@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from connector.router.backends import Backends, Role
+from connector.router.backends import Backend, Backends, Role
 
 
 class RouterDrain:
@@ -84,6 +84,21 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
+async def drain_and_wait(
+    backends: Backends, b: Backend, wait_s: float, again: str
+) -> JSONResponse | None:
+    """Take ``b`` out of rotation and wait up to ``wait_s`` for its last leg to end: None
+    once it has, else the 409 saying how many are left (``again``: what to do next)."""
+    backends.set_draining(b, True)
+    if await b.wait_idle(max(0.0, wait_s)):
+        return None
+    return _error(
+        409,
+        f"{b.name}: {b.load.outstanding} leg(s) still in flight after {wait_s:g} s; "
+        f"it stays draining (no new legs): {again}",
+    )
+
+
 def admin_routes(backends: Backends) -> list[Route]:
     async def listing(_request: Request) -> Response:
         return JSONResponse(backends.stats())
@@ -106,13 +121,12 @@ def admin_routes(backends: Backends) -> list[Route]:
             wait_s = None if wait is None or action != "drain" else float(wait)
         except ValueError:
             return _error(400, f"wait must be a number of seconds, got {wait!r}")
-        backends.set_draining(b, action == "drain")
-        if wait_s is not None and not await b.wait_idle(max(0.0, wait_s)):
-            return _error(
-                409,
-                f"{b.name}: {b.load.outstanding} leg(s) still in flight after {wait_s:g} s; "
-                "it stays draining (no new legs): drain?wait again, or check GET /admin/backends",
-            )
+        if wait_s is None:
+            backends.set_draining(b, action == "drain")
+        elif refused := await drain_and_wait(
+            backends, b, wait_s, "drain?wait again, or check GET /admin/backends"
+        ):
+            return refused
         body: dict[str, Any] = {"role": role.value, **b.stats()}
         return JSONResponse(body)
 

@@ -30,6 +30,7 @@ from connector.core.errors import ConfigError
 from connector.router.backends import Backends, Role
 from connector.router.config import Mode, check_url
 from connector.router.coords import CoordOverride
+from connector.router.drain import drain_and_wait
 
 _COORDS = {"engine_id": str, "kv_host": str, "kv_port": int, "tp_size": int, "pp_size": int}
 
@@ -119,13 +120,8 @@ def membership_routes(backends: Backends, drain_timeout_s: float) -> list[Route]
             return _error(400, "timeout must be a number of seconds")
         if role is Role.DECODE and len(backends.decode) == 1:
             return _error(409, f"{b.name} is the only decode server: add another first")
-        backends.set_draining(b, True)
-        if not await b.wait_idle(max(0.0, timeout)):
-            return _error(
-                409,
-                f"{b.name}: {b.load.outstanding} leg(s) still in flight after {timeout:g} s; "
-                "it stays draining (no new legs): DELETE again to remove it",
-            )
+        if refused := await drain_and_wait(backends, b, timeout, "DELETE again to remove it"):
+            return refused
         await backends.remove(b)
         return JSONResponse({"role": role.value, "removed": True, **b.stats()})
 
