@@ -43,7 +43,7 @@ import httpx
 
 from connector.tools.pdstack import PdStack, metric_sum
 from telemetry.schema import Attr, Event, Span
-from telemetry.traces import read_run
+from telemetry.traces import RunTraces, read_run
 from tests.e2e.greedy import LOGPROB_TOL, assert_greedy_agrees, choice, greedy_body
 
 VOCAB = (3, 4096)  # the local tokenizer's ids; 0-2 are <s>, </s>, <pad>
@@ -128,9 +128,8 @@ def within_floor(pd: dict[str, Any], floor: dict[str, Any], tol: float) -> bool:
     )
 
 
-def write_rows(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def write_rows(run: RunTraces) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Each WRITE span of P (path, descriptors, bytes, ms) and how the traces look."""
-    run = read_run(run_dir)
     rows: list[dict[str, Any]] = []
     shape = {"traces": 0, "requests": 0, "complete": 0}
     for t in run.traces:
@@ -266,16 +265,17 @@ def run(args: argparse.Namespace) -> int:
     report["seconds"] = time.monotonic() - t0
     report["prefill_log"] = log_facts(stack.prefill.log)
     report["decode_log"] = log_facts(stack.decode.log)
-    rows, shape = write_rows(out)
+    run = read_run(out)  # once: the WRITE rows, the handovers and the KV checks
+    rows, shape = write_rows(run)
     report["writes"], report["traces"] = rows, shape
     one_trace = shape["requests"] == shape["complete"] == len(args.lengths) + 1
     ok &= one_trace
     print(f"traces: {shape} ({'ok' if one_trace else 'FAIL'}: one per request through P/D)")
-    report["handovers"] = hand = handovers(out)
+    report["handovers"] = hand = handovers(run)
     for key in ("counted_to_seen", "seen_to_scheduled", "scheduled_to_out"):
         ms = sorted(round(h[key], 1) for h in hand)
         print(f"D's handover, {key.replace('_', ' ')} ms: {ms}")
-    checks = kv_checks(out)
+    checks = kv_checks(run)
     report["kv_checks"] = checks
     if args.kv_checksum_every == 1:  # every transfer through P/D checked, every one equal
         kv_ok = checks == {"ok": len(args.lengths) + 1}
@@ -299,13 +299,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def handovers(run_dir: Path) -> list[dict[str, float]]:
+def handovers(run: RunTraces) -> list[dict[str, float]]:
     """Per request through P/D, D's side of the handover from its traces, in ms: its
     transfer thread counted the KV (await_kv's end) -> its scheduler saw it (first_token's
     start) -> the request scheduled -> its first token out: where a push's TTFT beyond P's
     prefill goes on D."""
     rows = []
-    for t in read_run(run_dir).traces:
+    for t in run.traces:
         ft, aw = t.first(Span.FIRST_TOKEN.value), t.first(Span.AWAIT_KV.value)
         ev = ft.event(Event.SCHEDULED.value) if ft is not None else None
         if ft is None or aw is None or ev is None:
@@ -320,11 +320,11 @@ def handovers(run_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
-def kv_checks(run_dir: Path) -> dict[str, int]:
+def kv_checks(run: RunTraces) -> dict[str, int]:
     """D's verdicts on the digests P sent (await_kv spans' ``kv_check``), by verdict;
     ``unchecked`` for a transfer D did not check."""
     verdicts: dict[str, int] = {}
-    for t in read_run(run_dir).traces:
+    for t in run.traces:
         for a in t.named(Span.AWAIT_KV.value):
             v = str(a.attr(Attr.KV_CHECK.value) or "unchecked")
             verdicts[v] = verdicts.get(v, 0) + 1

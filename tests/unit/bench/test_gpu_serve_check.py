@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from bench.gpu_serve_check import deviation, kv_checks, within_floor
 from telemetry.exporters import JsonLinesSpanExporter
 from telemetry.schema import Attr, Span
+from telemetry.traces import read_run
 
 
 def answer(tokens: list[str], lps: list[float]) -> dict[str, Any]:
@@ -73,4 +74,4 @@ def test_kv_checks_counts_ds_verdicts_and_unchecked_transfers(tmp_path: Path) ->
         tracer.start_span(Span.AWAIT_KV.value, attributes=attrs).end()
     tracer.start_span(Span.WRITE.value).end()  # not D's wait: not counted
     provider.shutdown()
-    assert kv_checks(tmp_path) == {"ok": 2, "mismatch": 1, "unchecked": 1}
+    assert kv_checks(read_run(tmp_path)) == {"ok": 2, "mismatch": 1, "unchecked": 1}
